@@ -1,0 +1,16 @@
+"""gptlab: the reference package of the gptlab course.
+
+The data's path through the package, one module per idea:
+
+    text -> tokens (:mod:`gptlab.tokenizers`) -> batches (:mod:`gptlab.data`)
+         -> model (:mod:`gptlab.model`) -> logits -> loss (:mod:`gptlab.train`)
+                                                  -> samples (:mod:`gptlab.sampling`,
+                                                     :mod:`gptlab.generation`, :mod:`gptlab.kvcache`,
+                                                     :mod:`gptlab.speculative`) -> text
+"""
+
+from .model import GPT, GPTConfig, causal_mask
+
+__version__ = "0.1.0"
+
+__all__ = ["GPT", "GPTConfig", "causal_mask", "__version__"]
