@@ -1,0 +1,54 @@
+"""Benchmarks: ``python -m gptlab bench {train,generate,speculative}``.
+
+Speed and memory targets live here, not in timed unit tests. Every benchmark prints measured
+absolute figures and ratios together with :func:`machine_name`, and can write them as JSON.
+Each benchmark is a module of this package exposing ``add_arguments(parser)`` and ``run(args)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+
+__all__ = ["machine_name", "register_cli"]
+
+_BENCHMARKS = {
+    "train": "gptlab.bench.train",
+    "generate": "gptlab.bench.generate",
+    "speculative": "gptlab.bench.speculative",
+}
+
+
+def machine_name() -> str:
+    """A human-readable description of the machine: CPU model and core count, GPU if any."""
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    if torch.cuda.is_available():
+        desc = f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}); host: {desc}"
+    return desc
+
+
+def register_cli(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative)")
+    sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name, module in _BENCHMARKS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        bp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None,
+                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
