@@ -9,8 +9,9 @@ The data's path through the package, one module per idea:
                                                      :mod:`gptlab.speculative`) -> text
 """
 
+from .generation import beam_search, generate, stream
 from .model import GPT, GPTConfig, causal_mask
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "causal_mask", "__version__"]
+__all__ = ["GPT", "GPTConfig", "causal_mask", "generate", "stream", "beam_search", "__version__"]

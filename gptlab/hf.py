@@ -6,6 +6,8 @@ same weights in both implementations must give the same logits.
 * GPT-2 (``GPT2LMHeadModel``): HF stores its four projection matrices as ``Conv1D`` weights of
   shape (in, out); gptlab uses ``nn.Linear`` (out, in), so they are transposed. ``lm_head`` stays
   tied to ``wte``.
+* GPT-1 (``OpenAIGPTLMHeadModel``): the same Conv1D layout, but post-norm blocks
+  (``x = ln_1(x + attn(x)); x = ln_2(x + mlp(x))``) and no final LayerNorm: ``prenorm=False``.
 * Llama family (``LlamaForCausalLM``, e.g. SmolLM2): q/k/v projections are fused into
   ``c_attn``, gate/up into the SwiGLU ``c_fc``; RMSNorm, RoPE, grouped-query attention, no biases.
 """
@@ -22,9 +24,14 @@ _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight
 
 
 def _rope_theta(cfg) -> float:
+    """RoPE base of a HF config (``rope_parameters`` in transformers 5, ``rope_theta`` before)."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"gptlab implements plain RoPE (rope_type 'default'), got rope_type={rope_type!r}")
     theta = getattr(cfg, "rope_theta", None)
     if theta is None:
-        params = getattr(cfg, "rope_parameters", None) or {}
         theta = params.get("rope_theta", 10000.0)
     return float(theta)
 
@@ -35,6 +42,10 @@ def config_from_hf(hf_config) -> GPTConfig:
     if kind == "gpt2":
         if getattr(hf_config, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ValueError(f"gptlab's MLP uses GPT-2's tanh GELU; got activation {hf_config.activation_function!r}")
+        if not getattr(hf_config, "scale_attn_weights", True) or getattr(
+            hf_config, "scale_attn_by_inverse_layer_idx", False
+        ):
+            raise ValueError("gptlab scales attention scores by 1/sqrt(head_dim) only; this GPT2Config scales differently")
         return GPTConfig(
             vocab_size=hf_config.vocab_size,
             block_size=hf_config.n_positions,
@@ -45,11 +56,33 @@ def config_from_hf(hf_config) -> GPTConfig:
             dropout=0.0,
             bias=True,
             norm_eps=hf_config.layer_norm_epsilon,
+            tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
+        )
+    if kind == "openai-gpt":
+        if hf_config.afn not in ("gelu", "gelu_new"):  # HF's GPT-1 maps "gelu" to the tanh GELU
+            raise ValueError(f"gptlab's MLP uses the tanh GELU; got afn={hf_config.afn!r}")
+        return GPTConfig(
+            vocab_size=hf_config.vocab_size,
+            block_size=hf_config.n_positions,
+            n_layer=hf_config.n_layer,
+            n_head=hf_config.n_head,
+            n_embd=hf_config.n_embd,
+            dropout=0.0,
+            bias=True,
+            norm_eps=hf_config.layer_norm_epsilon,
+            prenorm=False,
+            tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
         )
     if kind == "llama":
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise ValueError(f"expected a SwiGLU (silu) Llama, got hidden_act={hf_config.hidden_act!r}")
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        attn_bias = bool(getattr(hf_config, "attention_bias", False))
+        if bool(getattr(hf_config, "mlp_bias", False)) != attn_bias:
+            raise ValueError(
+                "gptlab has one bias switch for attention and MLP; this LlamaConfig has "
+                f"attention_bias={attn_bias}, mlp_bias={hf_config.mlp_bias}"
+            )
         return GPTConfig(
             vocab_size=hf_config.vocab_size,
             block_size=hf_config.max_position_embeddings,
@@ -59,7 +92,7 @@ def config_from_hf(hf_config) -> GPTConfig:
             n_embd=hf_config.hidden_size,
             n_inner=hf_config.intermediate_size,
             dropout=0.0,
-            bias=bool(getattr(hf_config, "attention_bias", False)),
+            bias=attn_bias,
             norm="rmsnorm",
             norm_eps=hf_config.rms_norm_eps,
             mlp="swiglu",
@@ -68,62 +101,86 @@ def config_from_hf(hf_config) -> GPTConfig:
             tie_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
             head_dim_override=head_dim if head_dim * hf_config.num_attention_heads != hf_config.hidden_size else None,
         )
-    raise ValueError(f"from_hf supports GPT-2 and Llama-family models, got model_type={kind!r}")
+    raise ValueError(f"from_hf supports GPT-2, GPT-1 (openai-gpt) and Llama-family models, got model_type={kind!r}")
 
 
 @torch.no_grad()
 def from_hf(hf_model) -> GPT:
-    """A gptlab :class:`GPT` with the weights of a HF ``GPT2LMHeadModel`` or ``LlamaForCausalLM``."""
+    """A gptlab :class:`GPT` with the weights of a HF ``GPT2LMHeadModel``,
+    ``OpenAIGPTLMHeadModel`` or ``LlamaForCausalLM``, in float32 on the HF model's device, in
+    eval mode. It computes the same logits (B, T, V) for the same token ids (B, T)."""
+    if not hasattr(hf_model, "config") or not hasattr(hf_model, "state_dict"):
+        raise TypeError(f"from_hf expects a transformers model (e.g. GPT2LMHeadModel), got {type(hf_model).__name__}")
     config = config_from_hf(hf_model.config)
-    model = GPT(config)
-    sd = {k: v.detach().float() for k, v in hf_model.state_dict().items()}
+    # float32 copies (clone: the gptlab model must not share storage with the HF model)
+    sd = {k: v.detach().to(torch.float32, copy=True) for k, v in hf_model.state_dict().items()}
     if config.pos_emb == "learned":
-        _load_gpt2(model, sd)
+        if hf_model.config.model_type == "openai-gpt":
+            sd = _rename_gpt1(sd)
+        own = _gpt2_state_dict(sd, config)
     else:
-        _load_llama(model, sd, config)
-    return model.to(next(hf_model.parameters()).device).eval()
+        own = _llama_state_dict(sd, config)
+    return GPT.from_state_dict(config, own, device=next(hf_model.parameters()).device)
 
 
-def _load_gpt2(model: GPT, sd: dict) -> None:
-    own = model.state_dict()
-    for key, target in own.items():
-        if key == "lm_head.weight":
+def _rename_gpt1(sd: dict) -> dict:
+    """HF GPT-1 names -> GPT-2 names (``tokens_embed`` -> ``wte``, ``positions_embed`` -> ``wpe``)."""
+    out = {}
+    for k, v in sd.items():
+        k = k.replace("transformer.tokens_embed.", "transformer.wte.")
+        k = k.replace("transformer.positions_embed.", "transformer.wpe.")
+        out[k] = v
+    return out
+
+
+def _gpt2_state_dict(sd: dict, config: GPTConfig) -> dict:
+    """gptlab's state dict from a HF GPT-2 one: same names, Conv1D (in, out) weights transposed."""
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in GPT(config).state_dict().items()}
+    out = {}
+    for key, shape in shapes.items():
+        if key == "lm_head.weight" and config.tie_weights:
             continue  # tied to wte
         src = sd.get(key)
         if src is None:
-            raise KeyError(f"HF GPT-2 state dict has no {key!r}")
+            raise KeyError(f"HF state dict has no {key!r}")
         if key.endswith(_GPT2_TRANSPOSED):
-            src = src.t()
-        if src.shape != target.shape:
-            raise ValueError(f"{key}: HF shape {tuple(src.shape)} != gptlab shape {tuple(target.shape)}")
-        target.copy_(src)
+            src = src.t().contiguous()
+        if src.shape != shape:
+            raise ValueError(f"{key}: HF shape {tuple(src.shape)} != gptlab shape {tuple(shape)}")
+        out[key] = src
+    return out
 
 
-def _load_llama(model: GPT, sd: dict, config: GPTConfig) -> None:
+def _llama_state_dict(sd: dict, config: GPTConfig) -> dict:
+    """gptlab's state dict from a HF Llama one: q/k/v fused into ``c_attn``, gate/up into ``c_fc``."""
+
     def get(name):
         if name not in sd:
             raise KeyError(f"HF Llama state dict has no {name!r}")
         return sd[name]
 
-    t = model.transformer
-    t.wte.weight.copy_(get("model.embed_tokens.weight"))
-    t.ln_f.weight.copy_(get("model.norm.weight"))
+    out = {
+        "transformer.wte.weight": get("model.embed_tokens.weight"),
+        "transformer.ln_f.weight": get("model.norm.weight"),
+    }
     if not config.tie_weights:
-        model.lm_head.weight.copy_(get("lm_head.weight"))
-    for i, block in enumerate(t.h):
-        p = f"model.layers.{i}."
-        block.ln_1.weight.copy_(get(p + "input_layernorm.weight"))
-        block.ln_2.weight.copy_(get(p + "post_attention_layernorm.weight"))
-        a = p + "self_attn."
-        block.attn.c_attn.weight.copy_(
-            torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
-        )
+        out["lm_head.weight"] = get("lm_head.weight")
+    for i in range(config.n_layer):
+        p, g = f"model.layers.{i}.", f"transformer.h.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        out[g + "ln_1.weight"] = get(p + "input_layernorm.weight")
+        out[g + "ln_2.weight"] = get(p + "post_attention_layernorm.weight")
+        out[g + "attn.c_attn.weight"] = torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+        out[g + "attn.c_proj.weight"] = get(a + "o_proj.weight")
+        out[g + "mlp.c_fc.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+        out[g + "mlp.c_proj.weight"] = get(m + "down_proj.weight")
         if config.bias:
-            block.attn.c_attn.bias.copy_(torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
-        block.attn.c_proj.weight.copy_(get(a + "o_proj.weight"))
-        m = p + "mlp."
-        block.mlp.c_fc.weight.copy_(torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")]))
-        block.mlp.c_proj.weight.copy_(get(m + "down_proj.weight"))
+            out[g + "attn.c_attn.bias"] = torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            out[g + "attn.c_proj.bias"] = get(a + "o_proj.bias")
+            out[g + "mlp.c_fc.bias"] = torch.cat([get(m + "gate_proj.bias"), get(m + "up_proj.bias")])
+            out[g + "mlp.c_proj.bias"] = get(m + "down_proj.bias")
+    return out
 
 
 @torch.no_grad()

@@ -208,8 +208,13 @@ class StaticKVCache(KVCache):
         self.length = min(self.length, length)
 
     def reorder(self, index):
-        self.k = self.k.index_select(1, index)
-        self.v = self.v.index_select(1, index)
+        if index.numel() == self.k.shape[1]:  # same batch size: permute the filled prefix in place
+            n = self.length
+            self.k[:, :, :, :n] = self.k[:, index, :, :n]
+            self.v[:, :, :, :n] = self.v[:, index, :, :n]
+        else:  # a different batch size (e.g. repeating rows for beam search): new buffers
+            self.k = self.k.index_select(1, index)
+            self.v = self.v.index_select(1, index)
 
     @property
     def nbytes(self):

@@ -400,6 +400,44 @@ class GPT(nn.Module):
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
 
+    @classmethod
+    def from_state_dict(
+        cls, config: GPTConfig, state_dict: dict[str, Tensor], *, device: torch.device | str | None = None
+    ) -> "GPT":
+        """A model with the given weights, built without the random initialisation (which takes
+        seconds for a 100M-parameter model): the modules are created on the ``meta`` device and
+        the tensors of ``state_dict`` are assigned to them (shapes are checked).
+
+        ``state_dict`` holds every entry of ``GPT(config).state_dict()``; ``lm_head.weight`` may be
+        left out when the weights are tied. The model is returned in eval mode, on ``device``
+        (default: where the tensors are).
+        """
+        with torch.device("meta"):
+            model = cls(config)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+        allowed_missing = {"lm_head.weight"} if config.tie_weights else set()
+        if unexpected or set(missing) - allowed_missing:
+            raise ValueError(
+                "state dict does not match GPT(config): "
+                f"missing {sorted(set(missing) - allowed_missing)}, unexpected {sorted(unexpected)}"
+            )
+        if config.tie_weights:
+            if "lm_head.weight" in state_dict and not torch.equal(
+                state_dict["lm_head.weight"], state_dict["transformer.wte.weight"]
+            ):
+                raise ValueError("config.tie_weights is True but lm_head.weight differs from transformer.wte.weight")
+            model.lm_head.weight = model.transformer.wte.weight
+        if config.pos_emb == "rope":  # non-persistent buffers: recompute them off the meta device
+            w = model.transformer.wte.weight
+            cos, sin = rope_cache(config.block_size, config.head_dim, config.rope_theta, device=w.device, dtype=w.dtype)
+            model.rope_cos, model.rope_sin = cos, sin
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if t.is_meta:
+                raise ValueError(f"state dict left {name} uninitialised")
+        if device is not None:
+            model = model.to(device)
+        return model.eval()
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, nn.Linear):
@@ -414,10 +452,12 @@ class GPT(nn.Module):
     def num_params(self, non_embedding: bool = False) -> int:
         """Number of parameters (tied weights counted once). ``non_embedding`` leaves out the
         position embedding (and the token embedding when it is not tied to the output head)."""
-        n = sum(p.numel() for p in self.parameters())
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
         if non_embedding:
             if "wpe" in self.transformer:
                 n -= self.transformer.wpe.weight.numel()
+            if not self.config.tie_weights:
+                n -= self.transformer.wte.weight.numel()
         return n
 
     def flops_per_token(self, seq_len: int | None = None, training: bool = True) -> int:
@@ -425,7 +465,10 @@ class GPT(nn.Module):
         ``seq_len`` tokens (default block_size). Forward only if not ``training``; training is
         3x forward (backward = 2x forward). Attention scores and the weighted sum are counted over
         the full ``seq_len`` context, as in the PaLM / nanoGPT convention (causal masking does not
-        skip work in a dense kernel).
+        skip work in a dense kernel). Embedding lookups, norms, activations and softmax are not
+        counted. This is exactly what ``torch.utils.flop_counter.FlopCounterMode`` counts for a
+        forward (and forward + backward) pass of the ``attn_impl="explicit"`` model, divided by
+        the number of tokens (tests/test_model.py checks it).
         """
         c = self.config
         T = seq_len or c.block_size
@@ -446,8 +489,8 @@ class GPT(nn.Module):
             raise TypeError(f"idx must be a torch.Tensor of token ids, got {type(idx).__name__}")
         if idx.dim() != 2:
             raise ValueError(f"idx must have shape (B, T), got shape {tuple(idx.shape)}")
-        if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-            raise TypeError(f"idx must hold integer token ids (torch.long), got dtype {idx.dtype}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"idx must hold integer token ids (torch.long or torch.int32), got dtype {idx.dtype}")
         T = idx.shape[1]
         if T == 0:
             raise ValueError("idx must hold at least one token (T >= 1)")
@@ -456,8 +499,13 @@ class GPT(nn.Module):
                 f"sequence of length {start + T} is longer than block_size={self.config.block_size}"
                 + (f" ({start} cached + {T} new)" if start else "")
             )
-        if targets is not None and targets.shape != idx.shape:
-            raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+        if targets is not None:
+            if not isinstance(targets, Tensor):
+                raise TypeError(f"targets must be a torch.Tensor of token ids, got {type(targets).__name__}")
+            if targets.shape != idx.shape:
+                raise ValueError(f"targets must have the shape of idx {tuple(idx.shape)}, got {tuple(targets.shape)}")
+            if targets.dtype not in (torch.int64, torch.int32):
+                raise TypeError(f"targets must hold integer token ids (torch.long), got dtype {targets.dtype}")
 
     def forward(
         self,

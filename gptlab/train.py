@@ -1,0 +1,859 @@
+"""Training: turn batches into a trained model by minimising the next-token loss.
+
+Where this sits: text -> tokens -> batches (:mod:`gptlab.data`) -> model -> logits -> *loss*
+-> gradients -> AdamW update, repeated; the result is a checkpoint (:mod:`gptlab.checkpoint`)
+that sampling (:mod:`gptlab.generation`) reads back.
+
+The loop, as in nanoGPT:
+
+* AdamW with weight decay on matrices only (:meth:`gptlab.model.GPT.optimizer_groups`);
+* learning rate: linear warmup, then cosine decay to ``min_lr`` (:func:`lr_at`);
+* gradient accumulation over ``grad_accum`` micro-batches, gradient-norm clipping;
+* evaluation on a fixed, deterministic validation set (the whole validation split cut into
+  disjoint windows of ``block_size`` tokens, or its first ``eval_tokens`` tokens);
+* a tqdm progress bar, ``metrics.jsonl`` (one JSON object per evaluation), ``loss.png``, and a
+  resumable checkpoint in ``OUT/ckpt`` (bit-for-bit identical continuation on CPU);
+* on CUDA: bf16 autocast (fp16 + GradScaler where bf16 is missing), TF32 matmuls, fused AdamW,
+  optional ``torch.compile``; several GPUs (or CPU processes) with ``torchrun``
+  (DistributedDataParallel: rank 0 logs and saves, every rank draws its own batches).
+
+Use :data:`RECIPES` + :func:`train`, or ``python -m gptlab train --recipe NAME --out DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .checkpoint import load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap_model
+from .device import pick_device
+from .model import GPT, GPTConfig
+
+__all__ = [
+    "TrainConfig",
+    "RECIPES",
+    "get_recipe",
+    "lr_at",
+    "train",
+    "Trainer",
+    "val_windows",
+    "plot_metrics",
+    "read_metrics",
+    "register_cli",
+]
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs besides its output folder.
+
+    Model: ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``, ``bias`` and any other
+    :class:`GPTConfig` field through ``model_kwargs`` (e.g. ``{"norm": "rmsnorm"}``); the
+    vocabulary size comes from the data. Tokens per optimiser step:
+    ``batch_size * grad_accum * block_size`` (times the number of DDP processes).
+    """
+
+    # model
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    dropout: float = 0.0
+    bias: bool = False
+    model_kwargs: dict = field(default_factory=dict)
+    # data
+    dataset: str = "shakespeare-char"
+    data_dir: str | None = None
+    # optimisation
+    batch_size: int = 12
+    grad_accum: int = 1
+    max_steps: int = 2000
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 100
+    lr_decay_steps: int | None = None  # None: max_steps
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1
+    grad_clip: float | None = 1.0
+    # evaluation, logging, checkpoints
+    eval_interval: int = 250
+    eval_tokens: int | None = None  # None: the whole validation split
+    eval_batch_size: int = 64  # windows per evaluation forward pass
+    eval_at_start: bool = True
+    target_loss: float | None = None  # stop as soon as val_loss <= target_loss
+    checkpoint_interval: int | None = None  # also save every N steps (always at the end)
+    save: bool = True
+    progress: bool = True
+    plot: bool = True
+    # system
+    seed: int = 1337
+    device: str = "auto"
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    compile: bool = False
+    fused_adamw: bool | None = None  # None: fused on CUDA
+    num_threads: int | None = None  # torch CPU threads; None: torch's default
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def with_overrides(self, **overrides: Any) -> "TrainConfig":
+        """A copy with some fields replaced; unknown names or wrong types raise clear errors."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = [k for k in overrides if k not in known]
+        if unknown:
+            raise ValueError(f"unknown training option(s) {unknown}; known options: {', '.join(known)}")
+        return dataclasses.replace(self, **overrides)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimiser step in one process."""
+        return self.batch_size * self.grad_accum * self.block_size
+
+    def model_config(self, vocab_size: int) -> GPTConfig:
+        """The :class:`GPTConfig` of the model this run trains."""
+        kw = dict(self.model_kwargs)
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"):
+            if name in kw:
+                raise ValueError(f"model_kwargs must not set {name!r}: it is a TrainConfig field")
+        return GPTConfig(vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         block_size=self.block_size, dropout=self.dropout, bias=self.bias, **kw)
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict:
+        return isinstance(value, dict)
+    return True
+
+
+def _validate(c: TrainConfig) -> None:
+    hints = typing.get_type_hints(TrainConfig)
+    for f in dataclasses.fields(c):
+        v = getattr(c, f.name)
+        if not _type_ok(v, hints[f.name]):
+            raise TypeError(f"TrainConfig.{f.name} must be {hints[f.name]}, got {v!r} ({type(v).__name__})")
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ValueError(f"TrainConfig: {msg}")
+
+    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
+                 "eval_interval", "eval_batch_size"):
+        need(getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
+    need(c.n_embd % c.n_head == 0, f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})")
+    need(0.0 <= c.dropout < 1.0, f"dropout must be in [0, 1), got {c.dropout}")
+    need(c.lr > 0 and math.isfinite(c.lr), f"lr must be a positive number, got {c.lr}")
+    need(0 <= c.min_lr <= c.lr, f"min_lr must be in [0, lr={c.lr}], got {c.min_lr}")
+    need(c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}")
+    need(c.lr_decay_steps is None or c.lr_decay_steps > c.warmup_steps,
+         f"lr_decay_steps ({c.lr_decay_steps}) must be larger than warmup_steps ({c.warmup_steps})")
+    need(0 <= c.beta1 < 1 and 0 <= c.beta2 < 1, f"betas must be in [0, 1), got ({c.beta1}, {c.beta2})")
+    need(c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}")
+    need(c.grad_clip is None or c.grad_clip > 0, f"grad_clip must be > 0 or None, got {c.grad_clip}")
+    need(c.eval_tokens is None or c.eval_tokens >= c.block_size,
+         f"eval_tokens must be None (whole split) or >= block_size ({c.block_size}), got {c.eval_tokens}")
+    need(c.checkpoint_interval is None or c.checkpoint_interval >= 1,
+         f"checkpoint_interval must be >= 1 or None, got {c.checkpoint_interval}")
+    need(c.target_loss is None or c.target_loss > 0, f"target_loss must be > 0 or None, got {c.target_loss}")
+    need(c.num_threads is None or c.num_threads >= 1, f"num_threads must be >= 1 or None, got {c.num_threads}")
+    need(c.dataset in DATASETS, f"unknown dataset {c.dataset!r}; known: {sorted(DATASETS)}")
+    need(c.dtype in ("auto", "float32", "bfloat16", "float16"),
+         f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {c.dtype!r}")
+
+
+DATASETS = ("shakespeare-char",)
+
+# Recipes: named, tested configurations.
+RECIPES: dict[str, TrainConfig] = {
+    # nanoGPT's config/train_shakespeare_char.py (a "baby GPT", 10.7M parameters). nanoGPT reports
+    # a best validation loss of 1.4697 after about 3 minutes on one A100.
+    "shakespeare-char": TrainConfig(
+        n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False,
+        batch_size=64, grad_accum=1, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batch_size=64,
+    ),
+    # Tuned for a 2-core CPU: val loss <= 1.886 (nanoGPT's CPU recipe, ~61 s there) in about
+    # half that time. See the report in the training chapter for how it was tuned.
+    "shakespeare-char-cpu": TrainConfig(
+        n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False,
+        batch_size=32, grad_accum=1, max_steps=800, lr=3e-3, min_lr=3e-4, warmup_steps=50,
+        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=200, eval_batch_size=256,
+    ),
+    # A seconds-long smoke test for tests and CI.
+    "tiny": TrainConfig(
+        n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=False,
+        batch_size=16, grad_accum=1, max_steps=200, lr=5e-3, min_lr=5e-4, warmup_steps=10,
+        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=50, eval_tokens=8192,
+        eval_batch_size=128,
+    ),
+}
+
+
+def get_recipe(name: str, **overrides: Any) -> TrainConfig:
+    """The recipe ``name`` with ``overrides`` applied; an unknown name lists the known ones."""
+    if not isinstance(name, str) or name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
+    return RECIPES[name].with_overrides(**overrides)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """The learning rate for optimiser step ``step`` (0-based).
+
+    Linear warmup ``lr * (step + 1) / (warmup_steps + 1)`` for ``step < warmup_steps``, then a
+    cosine from ``lr`` down to ``min_lr`` at ``lr_decay_steps`` (default ``max_steps``), then
+    ``min_lr`` (nanoGPT's schedule).
+    """
+    decay = cfg.lr_decay_steps or cfg.max_steps
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
+    if step >= decay:
+        return cfg.min_lr
+    ratio = (step - cfg.warmup_steps) / (decay - cfg.warmup_steps)
+    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
+    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
+
+
+# --------------------------------------------------------------------------------------------
+# data
+# --------------------------------------------------------------------------------------------
+
+
+def _load_data(cfg: TrainConfig):
+    from .data import prepare_char_data
+
+    if cfg.data_dir is not None:
+        d = Path(cfg.data_dir).expanduser()
+        if not d.is_dir():
+            raise FileNotFoundError(
+                f"data directory {str(d)!r} does not exist; expected a folder holding train.bin, val.bin and "
+                f"meta.json (or leave data_dir unset to prepare the data in the cache; "
+                f"`python -m gptlab fetch` does that)"
+            )
+    try:
+        return prepare_char_data(cfg.data_dir)
+    except FileNotFoundError:
+        raise
+    except RuntimeError as e:  # AssetError: the corpus could not be fetched or verified
+        raise RuntimeError(f"could not get the {cfg.dataset!r} training data: {e}") from e
+
+
+def val_windows(val: Any, block_size: int, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fixed validation set: the split cut into disjoint windows of ``block_size`` tokens.
+
+    Returns ``x``, ``y`` (N, T) int64 with ``y`` the next tokens, N = (len - 1) // T (or fewer
+    to stay within ``max_tokens``). Deterministic: every evaluation scores the same tokens.
+    """
+    if isinstance(val, torch.Tensor):
+        v = val.detach().cpu().to(torch.int64)
+    else:
+        v = torch.from_numpy(np.asarray(val).astype(np.int64))
+    if v.dim() != 1:
+        raise ValueError(f"val must be a 1-D stream of token ids, got shape {tuple(v.shape)}")
+    n = (len(v) - 1) // block_size
+    if max_tokens is not None:
+        n = min(n, max_tokens // block_size)
+    if n < 1:
+        raise ValueError(f"the validation split ({len(v)} tokens) is too short for block_size {block_size}")
+    x = v[: n * block_size].view(n, block_size)
+    y = v[1 : n * block_size + 1].view(n, block_size)
+    return x, y
+
+
+# --------------------------------------------------------------------------------------------
+# distributed
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    owns_group: bool = False
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def _setup_dist(device_name: str) -> _Dist:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return _Dist(dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_world_size())
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return _Dist()
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
+    if use_cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    return _Dist(rank, local, world, owns_group=True)
+
+
+# --------------------------------------------------------------------------------------------
+# metrics and plot
+# --------------------------------------------------------------------------------------------
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` file (one dict per evaluation)."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    return rows
+
+
+def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def plot_metrics(rows: list[dict], path: str | os.PathLike, title: str | None = None) -> Path:
+    """Plot train and validation loss against step into a PNG at ``path`` (written atomically).
+
+    Uses matplotlib's Agg canvas directly, so it never changes the pyplot backend.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    steps = [r["step"] for r in rows]
+    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+    if tr:
+        ax.plot([s for s, _ in tr], [v for _, v in tr], marker="o", ms=3, label="train")
+    ax.plot(steps, [r["val_loss"] for r in rows], marker="o", ms=3, label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats / token)")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# the trainer
+# --------------------------------------------------------------------------------------------
+
+
+def _resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
+    if dtype == torch.float16 and device.type != "cuda":
+        raise ValueError(f"dtype 'float16' needs CUDA (loss scaling); device is {device.type!r}: use 'bfloat16' or 'float32'")
+    return dtype
+
+
+class Trainer:
+    """One training run: model, optimiser, data, loop state. :func:`train` is the short way.
+
+    ``Trainer(cfg, out_dir, resume=True)`` continues from ``out_dir/ckpt`` if it exists (model,
+    optimiser, step, RNG states, metrics), so that the continuation is the same run.
+    """
+
+    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False):
+        if not isinstance(cfg, TrainConfig):
+            raise TypeError(f"cfg must be a TrainConfig (see RECIPES), got {type(cfg).__name__}")
+        self.cfg = cfg
+        self.out_dir = Path(out_dir)
+        self.ckpt_dir = self.out_dir / "ckpt"
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.dist = _setup_dist(cfg.device)
+        try:
+            self._setup(cfg, resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self, cfg: TrainConfig, resume: bool) -> None:
+        if cfg.num_threads is not None:
+            torch.set_num_threads(cfg.num_threads)
+        elif self.dist.enabled and not torch.cuda.is_available():
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.dist.world))
+
+        if self.dist.enabled and torch.cuda.is_available() and cfg.device in ("auto", "cuda"):
+            self.device = torch.device("cuda", self.dist.local_rank)
+        else:
+            self.device = pick_device(cfg.device)
+        self.dtype = _resolve_dtype(cfg, self.device)
+        if self.device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+
+        self.data = _load_data(cfg)
+        self.tokenizer = self.data.tokenizer
+
+        # Same initial weights on every rank (DDP also broadcasts rank 0's); then every rank gets
+        # its own dropout and batch streams.
+        torch.manual_seed(cfg.seed)
+        self.model = GPT(cfg.model_config(self.data.vocab_size)).to(self.device)
+        torch.manual_seed(cfg.seed + 1 + self.dist.rank)
+        self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * (self.dist.rank + 1))
+        fused = cfg.fused_adamw if cfg.fused_adamw is not None else self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            self.model.optimizer_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            **({"fused": True} if fused else {}),
+        )
+        self.scaler = torch.amp.GradScaler("cuda", enabled=(self.dtype == torch.float16))
+
+        self.step = 0
+        self.elapsed_before = 0.0
+        self.rows: list[dict] = []
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_n = 0
+        if resume:
+            self._resume()
+
+        self.raw_model = self.model
+        model: nn.Module = self.model
+        if cfg.compile:
+            model = torch.compile(model)
+        if self.dist.enabled:
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        self.train_model = model
+        self.val_x, self.val_y = val_windows(self.data.val, cfg.block_size, cfg.eval_tokens)
+
+    # ---- state
+
+    def _resume(self) -> None:
+        try:
+            resolve_checkpoint(self.ckpt_dir)
+        except ValueError:
+            return  # nothing to resume from: start fresh
+        _, _, state = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+        if state is None:
+            raise ValueError(f"{self.ckpt_dir} holds no train_state.json; it cannot be resumed")
+        saved_cfg = state.get("config", {})
+        mine = self.cfg.to_dict()
+        for k in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "seed", "model_kwargs"):
+            if k in saved_cfg and saved_cfg[k] != mine[k]:
+                raise ValueError(f"cannot resume {self.ckpt_dir}: it was trained with {k}={saved_cfg[k]!r}, "
+                                 f"this run has {k}={mine[k]!r}")
+        self.step = int(state["step"])
+        self.elapsed_before = float(state["elapsed_s"])
+        self._loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float32, device=self.device)
+        self._loss_n = int(state["loss_n"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        ranks = state.get("rng_ranks")
+        if ranks is not None and len(ranks) == self.dist.world:
+            set_rng_state(ranks[self.dist.rank], self.generator)
+        else:
+            if self.dist.world > 1:
+                print(f"warning: resuming with {self.dist.world} processes from a {len(ranks or [])}-process "
+                      "checkpoint; batch streams are reseeded", file=sys.stderr)
+            set_rng_state(state["rng"], None)
+            torch.manual_seed(self.cfg.seed + 1 + self.step + self.dist.rank)
+            self.generator.manual_seed(self.cfg.seed + self.step + 1_000_003 * (self.dist.rank + 1))
+        if self.metrics_path.exists():
+            self.rows = [r for r in read_metrics(self.metrics_path) if r["step"] <= self.step]
+
+    def _gather_rng(self) -> list[dict]:
+        mine = rng_state(self.generator)
+        if not self.dist.enabled:
+            return [mine]
+        import torch.distributed as dist
+
+        out = [None] * self.dist.world
+        dist.all_gather_object(out, mine)  # in-memory exchange between our own processes
+        return out  # type: ignore[return-value]
+
+    def save(self) -> None:
+        """Write the checkpoint (every rank must call it under DDP; rank 0 writes)."""
+        rng_ranks = self._gather_rng()
+        if self.dist.master:
+            state = {
+                "step": self.step,
+                "elapsed_s": self._elapsed(),
+                "tokens": self.tokens_seen,
+                "loss_sum": float(self._loss_sum.item()),
+                "loss_n": self._loss_n,
+                "rng": rng_ranks[0],
+                "rng_ranks": rng_ranks,
+                "world_size": self.dist.world,
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "config": self.cfg.to_dict(),
+                "metrics": self.rows[-1] if self.rows else None,
+            }
+            save_checkpoint(self.ckpt_dir, self.raw_model, tokenizer=self.tokenizer, optimizer=self.optimizer,
+                            train_state=state)
+        self._barrier()
+
+    def _barrier(self) -> None:
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    # ---- numbers
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.step * self.cfg.tokens_per_step * self.dist.world
+
+    def _elapsed(self) -> float:
+        return self.elapsed_before + (time.perf_counter() - self._t0)
+
+    def _autocast(self):
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean cross-entropy (nats/token) over the fixed validation windows (shared by ranks)."""
+        model = self.raw_model
+        was_training = model.training
+        model.eval()
+        n = self.val_x.shape[0]
+        idx = torch.arange(self.dist.rank, n, self.dist.world)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        bs = self.cfg.eval_batch_size
+        for i in range(0, len(idx), bs):
+            sel = idx[i : i + bs]
+            x = self.val_x[sel].to(self.device, non_blocking=True)
+            y = self.val_y[sel].to(self.device, non_blocking=True)
+            with self._autocast():
+                _, loss = model(x, y)
+            total += loss.double() * y.numel()
+        if self.dist.enabled:
+            import torch.distributed as dist
+
+            dist.all_reduce(total)
+        model.train(was_training)
+        return float(total.item() / self.val_y.numel())
+
+    def _initial_train_loss(self) -> float:
+        """Loss on one fixed training batch (for the step-0 row), without touching the batch RNG."""
+        from .data import get_batch
+
+        g = torch.Generator().manual_seed(self.cfg.seed + 7)
+        x, y = get_batch(self.data.train, self.cfg.eval_batch_size, self.cfg.block_size, generator=g,
+                         device=self.device)
+        model = self.raw_model
+        model.eval()
+        with torch.no_grad(), self._autocast():
+            _, loss = model(x, y)
+        model.train()
+        return float(loss.item())
+
+    def _log_row(self) -> dict:
+        t_eval = time.perf_counter()
+        val = self.evaluate()
+        if self._loss_n:
+            tl = self._loss_sum.clone()
+            if self.dist.enabled:
+                import torch.distributed as dist
+
+                dist.all_reduce(tl)
+                tl /= self.dist.world
+            train_loss = float(tl.item()) / self._loss_n
+        else:
+            train_loss = self._initial_train_loss()
+        self._loss_sum.zero_()
+        self._loss_n = 0
+        self._eval_s += time.perf_counter() - t_eval
+        row = {
+            "step": self.step,
+            "train_loss": train_loss,
+            "val_loss": val,
+            "lr": lr_at(max(self.step - 1, 0), self.cfg),
+            "tokens": self.tokens_seen,
+            "elapsed_s": round(self._elapsed(), 4),
+            "eval_s": round(self._eval_s, 4),
+        }
+        self.rows.append(row)
+        if self.dist.master:
+            with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    # ---- one optimiser step
+
+    def accumulate_gradients(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Forward and backward over micro-batches ``[(x, y), ...]`` (each (b, T)), summing into
+        ``.grad`` the gradient of the mean of their losses. Returns that mean loss (a 0-d tensor).
+
+        With equal micro-batch sizes this equals one backward pass over their concatenation;
+        under DDP gradients are all-reduced on the last micro-batch only (``no_sync``).
+        """
+        n = len(micro_batches)
+        if n < 1:
+            raise ValueError("accumulate_gradients needs at least one (x, y) micro-batch")
+        model = self.train_model
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(micro_batches):
+            sync = model.no_sync() if self.dist.enabled and i < n - 1 else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    _, loss = model(x, y)
+                    loss = loss / n
+                self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        return total
+
+    def optimizer_step(self, lr: float) -> None:
+        """Clip the gradient norm, take one AdamW step at learning rate ``lr``, zero the grads."""
+        opt = self.optimizer
+        for group in opt.param_groups:
+            group["lr"] = lr
+        if self.cfg.grad_clip is not None:
+            self.scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip)
+        self.scaler.step(opt)
+        self.scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    # ---- the loop
+
+    def fit(self, until: int | None = None) -> dict:
+        """Train to ``cfg.max_steps`` (or stop after step ``until``, or once val <= target_loss),
+        save the checkpoint and the plot, and return a summary dict."""
+        from .data import get_batch
+
+        cfg = self.cfg
+        if until is not None and (not isinstance(until, int) or until < 1):
+            raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
+        if self.dist.master:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            _write_jsonl_atomic(self.metrics_path, self.rows)  # drops rows past a resumed step
+        self._barrier()
+        self._t0 = time.perf_counter()
+        self._eval_s = 0.0
+        if self.rows:
+            self._eval_s = float(self.rows[-1].get("eval_s", 0.0))
+        self.train_model.train()
+        stop = min(cfg.max_steps, until) if until is not None else cfg.max_steps
+        reached: dict | None = None
+        if self.step == 0 and cfg.eval_at_start and not self.rows:
+            row = self._log_row()
+            if cfg.target_loss is not None and row["val_loss"] <= cfg.target_loss:
+                reached = row
+        bar = None
+        if cfg.progress and self.dist.master:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        try:
+            while self.step < stop and reached is None:
+                lr = lr_at(self.step, cfg)
+                batches = [get_batch(self.data.train, cfg.batch_size, cfg.block_size, generator=self.generator,
+                                     device=self.device) for _ in range(cfg.grad_accum)]
+                step_loss = self.accumulate_gradients(batches)
+                self.optimizer_step(lr)
+                self.step += 1
+                self._loss_sum += step_loss
+                self._loss_n += 1
+                if bar is not None:
+                    bar.update(1)
+                    if self.step % 10 == 0 or self.step == stop:
+                        bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{lr:.2e}")
+                if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps:
+                    row = self._log_row()
+                    if bar is not None:
+                        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}")
+                    if cfg.target_loss is not None and row["val_loss"] <= cfg.target_loss:
+                        reached = row
+                if cfg.save and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+        elapsed = self._elapsed()
+        if cfg.save:
+            self.save()
+        if self.dist.master and cfg.plot and self.rows:
+            plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters")
+        return self._summary(elapsed, reached)
+
+    def _summary(self, elapsed: float, reached: dict | None) -> dict:
+        first = None
+        if self.cfg.target_loss is not None:
+            first = next((r for r in self.rows if r["val_loss"] <= self.cfg.target_loss), None)
+        last = self.rows[-1] if self.rows else {}
+        train_time = elapsed - self._eval_s
+        return {
+            "step": self.step,
+            "max_steps": self.cfg.max_steps,
+            "val_loss": last.get("val_loss"),
+            "train_loss": last.get("train_loss"),
+            "best_val_loss": min((r["val_loss"] for r in self.rows), default=None),
+            "elapsed_s": elapsed,
+            "eval_s": self._eval_s,
+            "tokens": self.tokens_seen,
+            "tokens_per_s": self.tokens_seen / train_time if train_time > 0 and self.elapsed_before == 0 else None,
+            "target_loss": self.cfg.target_loss,
+            "time_to_target_s": first["elapsed_s"] if first else None,
+            "step_at_target": first["step"] if first else None,
+            "params": self.raw_model.num_params(),
+            "flops_per_token": self.raw_model.flops_per_token(self.cfg.block_size, training=True),
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "world_size": self.dist.world,
+            "out_dir": str(self.out_dir),
+            "checkpoint": str(self.ckpt_dir) if self.cfg.save else None,
+        }
+
+    def close(self) -> None:
+        """Leave the process group if this trainer created it."""
+        if self.dist.owns_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.dist.owns_group = False
+
+
+def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, until: int | None = None) -> dict:
+    """Train a model with ``cfg`` and write ``out_dir/{metrics.jsonl, loss.png, ckpt/}``.
+
+    ``resume=True`` continues from ``out_dir/ckpt`` when it exists. ``until`` stops (and saves)
+    after that step, as if interrupted. Returns a summary dict (final and best val loss, elapsed
+    seconds, tokens, tokens/s, time to ``cfg.target_loss``, ...). Under ``torchrun`` it trains with
+    DistributedDataParallel; only rank 0 writes files.
+    """
+    trainer = Trainer(cfg, out_dir, resume=resume)
+    try:
+        return trainer.fit(until=until)
+    finally:
+        trainer.close()
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+def _cli(args: argparse.Namespace) -> int:
+    overrides: dict[str, Any] = {}
+    try:
+        overrides.update(_parse_set(args.set or []))
+        for name in ("max_steps", "batch_size", "lr", "eval_interval", "seed", "data_dir", "target_loss",
+                     "device", "dtype", "num_threads"):
+            v = getattr(args, name)
+            if v is not None:
+                overrides[name] = v
+        if args.compile:
+            overrides["compile"] = True
+        if args.no_progress:
+            overrides["progress"] = False
+        cfg = get_recipe(args.recipe, **overrides)
+        summary = train(cfg, args.out, resume=args.resume)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        print(f"gptlab train: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        from .bench import machine_name
+
+        print(f"machine: {machine_name()}")
+        print(f"final val loss {summary['val_loss']:.4f} (best {summary['best_val_loss']:.4f}) after "
+              f"{summary['step']} steps, {summary['elapsed_s']:.1f} s ({summary['eval_s']:.1f} s evaluating)")
+        if summary["time_to_target_s"] is not None:
+            print(f"target {summary['target_loss']} reached at step {summary['step_at_target']} after "
+                  f"{summary['time_to_target_s']:.1f} s")
+        print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {Path(args.out) / 'loss.png'}, {Path(args.out) / 'ckpt'}")
+    return 0
+
+
+def register_cli(subparsers) -> None:
+    """Add ``python -m gptlab train --recipe NAME --out DIR [options]``."""
+    p = subparsers.add_parser(
+        "train", help="train a model from a recipe",
+        description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
+                    "(one row per evaluation), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
+                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ...",
+        epilog="recipes: " + "; ".join(
+            f"{k} ({c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
+            for k, c in RECIPES.items()),
+    )
+    p.add_argument("--recipe", required=True, metavar="NAME",
+                   help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--max-steps", type=int, help="optimiser steps (the cosine schedule follows)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--eval-interval", type=int, help="evaluate every N steps")
+    p.add_argument("--target-loss", type=float, help="stop once the validation loss is <= this")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--data-dir", help="folder of the prepared data (default: the cache)")
+    p.add_argument("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="autocast dtype (auto: bf16 on CUDA, fp16+GradScaler without bf16; fp32 elsewhere)")
+    p.add_argument("--num-threads", type=int, help="CPU threads for torch")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt if it exists")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override any TrainConfig field (JSON value), e.g. --set dropout=0.1; repeatable")
+    p.set_defaults(func=_cli)

@@ -1,0 +1,54 @@
+"""Shared pytest set-up for the gptlab test suite.
+
+* Under pytest-xdist each worker uses one torch thread (the workers already share the cores).
+* ``GPTLAB_SEED_DIR`` defaults to ``../shared/data`` when that folder exists (development machines
+  and CI), so the data cache can be seeded offline; the project works without it.
+* Tests marked ``gpu`` are skipped, with the reason, when no CUDA device is available.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+    seed = REPO_ROOT.parent / "shared" / "data"
+    if "GPTLAB_SEED_DIR" not in os.environ and seed.is_dir():
+        os.environ["GPTLAB_SEED_DIR"] = str(seed)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not any(item.get_closest_marker("gpu") for item in items):
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    """The repository's root folder."""
+    return REPO_ROOT
+
+
+@pytest.fixture
+def tmp_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty, private gptlab cache folder (``$GPTLAB_CACHE``) for one test."""
+    cache = tmp_path / "gptlab-cache"
+    cache.mkdir()
+    monkeypatch.setenv("GPTLAB_CACHE", str(cache))
+    return cache

@@ -1,0 +1,59 @@
+"""The command line documented in README.md: ``python -m gptlab {fetch,train,sample,bench} --help``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from gptlab.__main__ import build_parser, main
+
+COMMANDS = ["fetch", "train", "sample", "bench"]
+BENCHMARKS = ["train", "generate", "speculative"]
+
+
+def _help(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert exc.value.code == 0, f"`python -m gptlab {' '.join(argv)}` exited {exc.value.code}: {err}"
+    return out
+
+
+def test_module_entry_point_help():
+    """The real entry point, in a fresh interpreter, lists every documented command."""
+    r = subprocess.run([sys.executable, "-m", "gptlab", "--help"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "usage: python -m gptlab" in r.stdout
+    for name in COMMANDS:
+        assert name in r.stdout, f"`python -m gptlab --help` does not list the {name!r} command:\n{r.stdout}"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_command_help(command: str, capsys):
+    subparsers = build_parser()._subparsers._group_actions[0].choices
+    assert command in subparsers, (
+        f"`python -m gptlab {command}` is not registered (commands found: {sorted(subparsers)}); "
+        "its module's register_cli(subparsers) must add it"
+    )
+    out = _help([command, "--help"], capsys)
+    assert f"usage: python -m gptlab {command}" in out
+
+
+@pytest.mark.parametrize("bench", BENCHMARKS)
+def test_bench_help(bench: str, capsys):
+    out = _help(["bench", bench, "--help"], capsys)
+    assert f"usage: python -m gptlab bench {bench}" in out
+
+
+def test_no_command_prints_help_and_fails(capsys):
+    assert main([]) == 2
+    assert "usage: python -m gptlab" in capsys.readouterr().out
+
+
+def test_unknown_command_is_an_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["no-such-command"])
+    assert exc.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
