@@ -11,7 +11,8 @@ The data's path through the package, one module per idea:
 
 from .generation import beam_search, generate, stream
 from .model import GPT, GPTConfig, causal_mask
+from .speculative import speculative_generate
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "causal_mask", "generate", "stream", "beam_search", "__version__"]
+__all__ = ["GPT", "GPTConfig", "causal_mask", "generate", "stream", "beam_search", "speculative_generate", "__version__"]

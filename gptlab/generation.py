@@ -99,6 +99,28 @@ def _eos_tensor(eos_token_id, device) -> Tensor | None:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
+def _lean(module):
+    """``module.forward`` without ``nn.Module.__call__``'s bookkeeping; GPT-2's LayerNorm and MLP
+    reduced to their kernels (the same calls their ``forward`` makes, dropout being off)."""
+    from .model import MLP, LayerNorm, new_gelu
+
+    if type(module) is LayerNorm:
+        shape, w, b, eps = module.weight.shape, module.weight, module.bias, module.eps
+
+        def layer_norm(x):
+            return torch.layer_norm(x, shape, w, b, eps)
+
+        return layer_norm
+    if type(module) is MLP:
+        fc_w, fc_b, pr_w, pr_b = module.c_fc.weight, module.c_fc.bias, module.c_proj.weight, module.c_proj.bias
+
+        def mlp(x):
+            return F.linear(new_gelu(F.linear(x, fc_w, fc_b)), pr_w, pr_b)
+
+        return mlp
+    return module.forward
+
+
 class _FastDecodeStep:
     """One decode step (one new token per row over a :class:`StaticKVCache`, no padding) of a
     :class:`gptlab.GPT`, with the per-step Python overhead cut to the bone.
@@ -125,7 +147,7 @@ class _FastDecodeStep:
         self.wte = t.wte.weight
         self.wpe = t.wpe.weight if c.pos_emb == "learned" else None
         self.rope = (model.rope_cos, model.rope_sin) if c.pos_emb == "rope" else None
-        self.ln_f = t.ln_f.forward
+        self.ln_f = _lean(t.ln_f)
         self.head_w = model.lm_head.weight
         self._bind()
 
@@ -134,10 +156,11 @@ class _FastDecodeStep:
         cache = self.cache
         self._k = cache.k
         self.layers = [
-            (b.ln_1.forward, b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight, b.attn.c_proj.bias,
-             b.ln_2.forward, b.mlp.forward, cache.k[i], cache.v[i])
+            (_lean(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight, b.attn.c_proj.bias,
+             _lean(b.ln_2), _lean(b.mlp), cache.k[i], cache.v[i])
             for i, b in enumerate(self.model.transformer.h)
         ]
+        self.slots = torch.arange(cache.max_len, device=cache.k.device)
 
     @staticmethod
     def supports(model, cache) -> bool:
@@ -167,17 +190,23 @@ class _FastDecodeStep:
         if self.rope is not None:
             cos, sin = self.rope[0][pos], self.rope[1][pos]  # (hd,), broadcast over (B, h, 1, hd)
         lo = max(0, pos + 1 - self.window) if self.window else 0
+        n_keys = pos + 1 - lo
+        slot = self.slots[pos : pos + 1]
+        fused = nkv == nh
         for ln_1, aw, ab, pw, pb, ln_2, mlp, K, Vc in self.layers:
             qkv = F.linear(ln_1(x), aw, ab)  # (B, 1, qd + 2 kvd)
             # with one token, (B, 1, h, hd) and (B, h, 1, hd) have the same memory layout
-            q = qkv[..., :qd].view(B, nh, 1, hd)
-            k = qkv[..., qd : qd + kvd].view(B, nkv, 1, hd)
-            v = qkv[..., qd + kvd :].view(B, nkv, 1, hd)
+            if fused:
+                q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
+            else:
+                q = qkv.narrow(2, 0, qd).view(B, nh, 1, hd)
+                k = qkv.narrow(2, qd, kvd).view(B, nkv, 1, hd)
+                v = qkv.narrow(2, qd + kvd, kvd).view(B, nkv, 1, hd)
             if cos is not None:
                 q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-            K[:, :, pos : pos + 1] = k
-            Vc[:, :, pos : pos + 1] = v
-            ks, vs = K[:, :, lo : pos + 1], Vc[:, :, lo : pos + 1]
+            K.index_copy_(2, slot, k)  # append to the cache, in place
+            Vc.index_copy_(2, slot, v)
+            ks, vs = K.narrow(2, lo, n_keys), Vc.narrow(2, lo, n_keys)
             if self.rep > 1:
                 ks, vs = ks.repeat_interleave(self.rep, dim=1), vs.repeat_interleave(self.rep, dim=1)
             y = F.scaled_dot_product_attention(q, ks, vs)  # (B, nh, 1, hd): one query sees every key

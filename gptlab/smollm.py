@@ -68,10 +68,14 @@ def load_smollm2_hf(device: str | torch.device | None = "cpu", *, quiet: bool = 
     the HF tokenizer read from the same file. Needs ``transformers``, ``gguf`` and ``accelerate``;
     takes tens of seconds on a CPU (de-quantisation).
     """
-    try:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("load_smollm2_hf needs transformers, gguf and accelerate: pip install 'gptlab[hf]'") from e
+    import importlib.util
+
+    missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ImportError(f"load_smollm2_hf needs transformers, gguf and accelerate; missing {missing}: "
+                          "pip install 'gptlab[hf]'")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     path = smollm2_gguf_path(quiet=quiet)
     from transformers.utils import logging as hf_logging
 
@@ -127,6 +131,8 @@ def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
             "config": model.config.to_dict(),
         }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.chmod(tmp / "model.safetensors", 0o644)
         if folder.exists():
             shutil.rmtree(folder)
         try:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
-from transformers import (  # noqa: E402
+import transformers
+from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -19,9 +19,9 @@ from transformers import (  # noqa: E402
     OpenAIGPTLMHeadModel,
 )
 
-from gptlab.hf import config_from_hf, from_hf, to_hf  # noqa: E402
-from gptlab.kvcache import StaticKVCache  # noqa: E402
-from gptlab.model import GPT, GPTConfig  # noqa: E402
+from gptlab.hf import config_from_hf, from_hf, to_hf
+from gptlab.kvcache import StaticKVCache
+from gptlab.model import GPT, GPTConfig
 
 ATOL = 1e-5
 

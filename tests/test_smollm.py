@@ -12,12 +12,8 @@ import time
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
-
-from gptlab.kvcache import StaticKVCache  # noqa: E402
-from gptlab.smollm import converted_dir, load_smollm2, load_smollm2_hf  # noqa: E402
+from gptlab.kvcache import StaticKVCache
+from gptlab.smollm import converted_dir, load_smollm2, load_smollm2_hf
 
 pytestmark = pytest.mark.smollm
 

@@ -39,12 +39,12 @@ from . import machine_name
 __all__ = ["add_arguments", "run", "mini_model"]
 
 
-def mini_model(seed: int = 0):
+def mini_model(seed: int = 0, n_embd: int = 384):
     """GPT-2 Mini with random weights (the course's character-level model's shape)."""
     from ..model import GPT, GPTConfig
 
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=384, dropout=0.0)
+    cfg = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=n_embd, dropout=0.0)
     return GPT(cfg).eval()
 
 
@@ -55,6 +55,9 @@ def add_arguments(parser) -> None:
                         help="comma-separated generation lengths for the tokens/s-vs-length sweep ('' = skip)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--n-embd", type=int, default=384,
+                        help="model width (GPT-2 Mini: 384; a small width such as 48 makes the matrix products "
+                             "negligible, so the figures show the per-step overhead alone)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
     parser.add_argument("--quick", action="store_true", help="smoke test: 31 tokens, 1 round, short sweep")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
@@ -131,7 +134,7 @@ def run(args) -> int:
     if not 1 <= n_new <= 255:
         raise SystemExit(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {n_new}")
     device = torch.device(args.device)
-    model = mini_model().to(device)
+    model = mini_model(n_embd=args.n_embd).to(device)
     hf = None
     if not args.no_hf:
         try:
@@ -143,7 +146,7 @@ def run(args) -> int:
             print("transformers not installed: skipping the HF contenders")
     machine = machine_name()
     print(f"machine: {machine}")
-    print(f"model: GPT-2 Mini (6 layers, 6 heads, 384 wide, vocab 65, block 256), "
+    print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
           f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
 
     fns = _contenders(model, hf, n_new, device)
@@ -216,6 +219,7 @@ def run(args) -> int:
             "machine": machine,
             "device": str(device),
             "threads": torch.get_num_threads(),
+            "n_embd": args.n_embd,
             "new_tokens": n_new,
             "rounds": args.rounds,
             "results": results,
