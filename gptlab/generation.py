@@ -14,6 +14,10 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
 * Prompts of different lengths go in one batch *left-padded*, with ``attention_mask`` (B, T) (1 =
   real token). Positions come from the mask's cumulative sum, so each row generates exactly what it
   would alone.
+* Decode steps over an unpadded :class:`~gptlab.kvcache.StaticKVCache` run a lean single-token
+  step (:class:`_FastDecodeStep`: the same weights, kernels and logits as ``GPT.forward``, without
+  its per-call generality), which is what makes batch-1 decoding fast on a CPU; ``fast=False``
+  calls ``GPT.forward`` every step. ``python -m gptlab bench generate`` measures both.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.

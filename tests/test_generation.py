@@ -286,3 +286,20 @@ def test_cli_sample_streams_from_a_checkpoint(tmp_path):
     expected = tok.decode(generate(m, torch.tensor([tok.encode("abc")]), 15, temperature=0)[0].tolist())
     assert outs[0] == outs[1] == expected.strip()
     assert json.loads((tmp_path / "config.json").read_text())  # a real checkpoint was read
+
+
+def test_bench_generate_quick_smoke(tmp_path):
+    """The benchmark runs, checks its contenders agree, and writes JSON and a plot (no timing asserted)."""
+    from gptlab.__main__ import main
+
+    out_json, out_png = tmp_path / "gen.json", tmp_path / "gen.png"
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(["bench", "generate", "--quick", "--no-hf", "--lengths", "4,8", "--json", str(out_json),
+                   "--plot", str(out_png)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["machine"] and data["machine"] in buf.getvalue()
+    assert all(data["same_tokens"][k] for k in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd"))
+    assert data["results"]["gptlab_cached"]["tokens_per_s_best"] > 0
+    assert out_png.stat().st_size > 1000

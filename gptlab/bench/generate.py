@@ -171,7 +171,9 @@ def run(args) -> int:
         print(f"{name:<18}{best:>12.1f}{med:>14.1f}")
 
     def ratio(a, b):
-        return results[a]["tokens_per_s_best"] / results[b]["tokens_per_s_best"] if a in results and b in results else None
+        if a not in results or b not in results:
+            return None
+        return results[a]["tokens_per_s_best"] / results[b]["tokens_per_s_best"]
 
     ratios = {
         "gptlab_cached / hf_cached": ratio("gptlab_cached", "hf_cached"),
