@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,7 +145,7 @@ class TrainConfig:
 
 def _type_ok(value: Any, hint: Any) -> bool:
     origin = typing.get_origin(hint)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+    if origin in (typing.Union, types.UnionType):
         return any(_type_ok(value, h) for h in typing.get_args(hint))
     if hint is type(None):
         return value is None
@@ -209,14 +210,16 @@ RECIPES: dict[str, TrainConfig] = {
     ),
     # Tuned for a 2-core CPU: reach val loss <= 1.886 (what nanoGPT's CPU recipe, 4 layers x 128,
     # block 64, batch 12, 2000 steps at lr 1e-3, reaches in ~61 s) in about half the time. Changes:
-    # rotary position embeddings, a narrower model (96 wide: ~0.58x the FLOPs per token), a larger
-    # batch (32), a 5x higher peak learning rate with a short warmup and 500 steps, and only two
-    # evaluations (each over the whole validation split).
+    # Llama-style blocks (rotary positions, RMSNorm, SwiGLU), a narrower model (96 wide, 3.3 vs
+    # 5.2 MFLOP per token), context 128, batch 16, a 5x higher peak learning rate with a short
+    # warmup, 470 steps (0.40x nanoGPT's training FLOPs), and one evaluation, at the end, over the
+    # whole validation split (each costs ~5% of the run; add more with --eval-interval).
+    # Measured (whole val split, seed 1337): 1.849 after 470 steps (1.831 after 500, 1.880 after 420).
     "shakespeare-char-cpu": TrainConfig(
-        n_layer=4, n_head=4, n_embd=96, block_size=64, dropout=0.0, bias=False,
-        model_kwargs={"pos_emb": "rope"},
-        batch_size=32, grad_accum=1, max_steps=500, lr=5e-3, min_lr=5e-4, warmup_steps=30,
-        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batch_size=256,
+        n_layer=4, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
+        model_kwargs={"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+        batch_size=16, grad_accum=1, max_steps=470, lr=5e-3, min_lr=5e-4, warmup_steps=30,
+        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=470, eval_batch_size=128,
         eval_at_start=False,
     ),
     # A seconds-long smoke test for tests and CI.
