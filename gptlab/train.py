@@ -222,6 +222,17 @@ RECIPES: dict[str, TrainConfig] = {
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=470, eval_batch_size=128,
         eval_at_start=False,
     ),
+    # The baseline the CPU recipe is measured against: nanoGPT's own CPU command
+    # (config/train_shakespeare_char.py with --device=cpu --compile=False --eval_iters=20
+    # --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
+    # --lr_decay_iters=2000 --dropout=0.0), evaluated like nanoGPT (20 batches of 12 x 64 tokens
+    # every 250 steps). `python -m gptlab bench train --recipe nanogpt-cpu` times it on this machine.
+    "nanogpt-cpu": TrainConfig(
+        n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False,
+        batch_size=12, grad_accum=1, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
+        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_tokens=20 * 12 * 64,
+        eval_batch_size=12,
+    ),
     # A seconds-long smoke test for tests and CI.
     "tiny": TrainConfig(
         n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=False,

@@ -211,7 +211,9 @@ def test_recipes_are_what_they_claim():
     # the CPU recipe trains with at most half the FLOPs of nanoGPT's CPU recipe (4 x 128, block 64,
     # batch 12, 2000 steps), which is what lets it reach the same val loss in half the time
     c = RECIPES["shakespeare-char-cpu"]
-    nano = TrainConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12, max_steps=2000)
+    nano = RECIPES["nanogpt-cpu"]
+    assert (nano.n_layer, nano.n_head, nano.n_embd, nano.block_size, nano.batch_size, nano.max_steps, nano.lr) == (
+        4, 4, 128, 64, 12, 2000, 1e-3)
     def flops(cfg: TrainConfig) -> float:
         return cfg.max_steps * cfg.tokens_per_step * GPT(cfg.model_config(65)).flops_per_token(cfg.block_size)
     assert flops(c) < 0.5 * flops(nano)

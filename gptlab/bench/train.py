@@ -33,7 +33,7 @@ __all__ = ["add_arguments", "run", "peak_flops", "measure_cpu_matmul_flops", "DE
 
 # Validation-loss targets per recipe: nanoGPT's published CPU-recipe result (1.886) and its GPU
 # baby-GPT result (1.4697, rounded up to 1.47).
-DEFAULT_TARGETS = {"shakespeare-char-cpu": 1.886, "shakespeare-char": 1.47, "tiny": None}
+DEFAULT_TARGETS = {"shakespeare-char-cpu": 1.886, "nanogpt-cpu": 1.886, "shakespeare-char": 1.47, "tiny": None}
 
 # Dense (no sparsity) peak tensor-core throughput from the vendors' datasheets, FLOP/s.
 _GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
