@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .generation import _FastDecodeStep
 from .kvcache import StaticKVCache
 
 __all__ = ["speculative_generate", "SpeculativeStats", "expected_tokens_per_round", "verify_draft"]
@@ -306,6 +307,9 @@ def speculative_generate(
         # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
         tcache = StaticKVCache.for_model(target, 1, end)
         dcache = StaticKVCache.for_model(draft, 1, end)
+        # The draft's one-token steps are pure per-call overhead for a small model: use the lean
+        # decode step of gptlab.generation (same weights, same logits as GPT.forward) where it applies.
+        dfast = _FastDecodeStep(draft, dcache) if _FastDecodeStep.supports(draft, dcache) else None
         n = T0
         if n > 1:  # prefill everything but the last prompt token, which opens round one
             target(seq[None, : n - 1], kv_cache=tcache, last_only=True)
@@ -318,7 +322,10 @@ def speculative_generate(
             guesses, qs = [], []
             x = seq[None, dcache.length : n]  # what the draft has not seen yet (1 or 2 tokens)
             for _ in range(g):
-                logits = draft(x, kv_cache=dcache, last_only=True)[0][:, -1]  # (1, V)
+                if dfast is not None and x.shape[1] == 1:
+                    logits = dfast(x, dcache.length)  # (1, V)
+                else:
+                    logits = draft(x, kv_cache=dcache, last_only=True)[0][:, -1]  # (1, V)
                 stats.draft_forwards += 1
                 if greedy:
                     tok = logits.argmax(dim=-1)  # (1,)

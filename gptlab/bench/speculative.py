@@ -6,7 +6,7 @@ against the target decoding alone (:func:`gptlab.generate`, same decoding settin
 (temperature 0) and sampled (temperature 1).
 
 The models are course-trained on Tiny Shakespeare characters with :func:`gptlab.train.train`: a
-*target* (``--preset default``: 6 layers x 192) and a much smaller *draft* (1 layer x 64). They are
+*target* (``--preset default``: 6 layers x 192) and a much smaller *draft* (1 layer x 128). They are
 trained on first use (with a progress bar) and cached under ``--models`` (default
 ``<gptlab cache>/bench-speculative``, one folder per training configuration), so later runs only
 measure. Prompts are slices of the validation text.
@@ -41,7 +41,7 @@ PRESETS: dict[str, dict[str, dict]] = {
     # a few minutes on an idle 2-core CPU
     "default": {
         "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=300),
-        "draft": dict(n_layer=1, n_head=2, n_embd=64, max_steps=300),
+        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=600, lr=5e-3, min_lr=5e-4),
     },
     # a smoke test: seconds to a minute
     "quick": {
@@ -71,7 +71,7 @@ def _train_config(preset: str, role: str):
     from ..train import get_recipe
 
     return get_recipe("shakespeare-char-cpu").with_overrides(
-        **_COMMON, **PRESETS[preset][role], eval_interval=PRESETS[preset][role]["max_steps"], device="cpu"
+        **{**_COMMON, **PRESETS[preset][role]}, eval_interval=PRESETS[preset][role]["max_steps"], device="cpu"
     )
 
 
