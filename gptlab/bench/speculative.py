@@ -40,8 +40,8 @@ _COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, 
 PRESETS: dict[str, dict[str, dict]] = {
     # a few minutes on an idle 2-core CPU
     "default": {
-        "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=300),
-        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=600, lr=5e-3, min_lr=5e-4),
+        "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=800),
+        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4),
     },
     # a smoke test: seconds to a minute
     "quick": {
