@@ -1,6 +1,8 @@
 """Shared pytest set-up for the gptlab test suite.
 
-* Under pytest-xdist each worker uses one torch thread (the workers already share the cores).
+* Every test process uses one torch thread: the tests run tiny models, which are dominated by
+  per-op overhead (several threads only contend, badly so on a busy machine), and under
+  pytest-xdist the workers already share the cores.
 * ``GPTLAB_SEED_DIR`` defaults to ``../shared/data`` when that folder exists (development machines
   and CI), so the data cache can be seeded offline; the project works without it.
 * Tests marked ``gpu`` are skipped, with the reason, when no CUDA device is available.
@@ -17,10 +19,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
+    import torch
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
     seed = REPO_ROOT.parent / "shared" / "data"
     if "GPTLAB_SEED_DIR" not in os.environ and seed.is_dir():
         os.environ["GPTLAB_SEED_DIR"] = str(seed)

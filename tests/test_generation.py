@@ -18,15 +18,6 @@ import scipy.stats as stats  # noqa: E402
 V = 50
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is fastest, and avoids thread contention on busy machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(seed: int = 0, scale: float = 8.0, **kw) -> GPT:
     """A tiny random GPT-2; weights scaled up so next-token distributions are peaked (no near-ties
     between the top candidates, which float rounding could flip between implementations)."""

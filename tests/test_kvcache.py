@@ -22,14 +22,6 @@ VARIANTS = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _model(seed=0, **kw) -> GPT:
     torch.manual_seed(seed)
     cfg = dict(vocab_size=V, block_size=40, n_layer=2, n_head=2, n_embd=32)

@@ -32,14 +32,6 @@ from gptlab.model import (
 V = 61  # a vocabulary size that is not a power of two
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one thread (several threads contend badly on a busy machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 GPT2_TINY = dict(vocab_size=V, block_size=32, n_layer=2, n_head=4, n_embd=32)
 LLAMA_TINY = dict(
     vocab_size=V, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=False,

@@ -27,15 +27,6 @@ import scipy.stats as stats  # noqa: E402
 V = 40
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one torch thread is fastest, and avoids thread contention on busy machines."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _logit_cases():
     g = torch.Generator().manual_seed(0)
     cases = {

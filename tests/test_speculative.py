@@ -39,15 +39,6 @@ from gptlab.speculative import (
 P_MIN = 1e-3  # a chi-square test fails below this p-value
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models are dominated by per-op overhead; two threads on busy cores only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def tiny_gpt(seed: int, vocab: int = 8, n_layer: int = 1, n_embd: int = 16, n_head: int = 2, std: float = 0.4) -> GPT:
     """A random GPT-2-style model whose next-token distributions are far from uniform (weights
     drawn with a large ``std``), so that target and draft disagree in a visible way."""
