@@ -103,10 +103,46 @@ def _eos_tensor(eos_token_id, device) -> Tensor | None:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _lean(module):
-    """``module.forward`` without ``nn.Module.__call__``'s bookkeeping; GPT-2's LayerNorm and MLP
-    reduced to their kernels (the same calls their ``forward`` makes, dropout being off)."""
-    from .model import MLP, LayerNorm, new_gelu
+class _RowSplitLinear:
+    """``F.linear(x, weight, bias)`` for a few tokens, computed as ``parts`` row blocks of the
+    weight in one batched matrix product: x (..., in) -> (..., out).
+
+    Why: decoding multiplies a handful of vectors by each weight matrix, so a step is memory-bound
+    (every weight is read once) and BLAS runs such a product on one core. Split into row blocks,
+    ``torch.bmm`` hands each core its own block to stream, and a 2-core CPU reads the weights about
+    1.7x faster (``python -m gptlab bench generate`` reports the bare chains both ways). The blocks
+    are views of the model's own weight (no copy) and each output is the same dot product, so the
+    result equals ``F.linear``'s up to float rounding. ``parts=1`` (or a GPU) is plain ``F.linear``.
+    """
+
+    def __init__(self, weight: Tensor, bias: Tensor | None, parts: int = 1):
+        out, inp = weight.shape
+        p = max(1, parts)
+        while p > 1 and (out % p or out // p < 16):  # equal blocks, and not absurdly thin ones
+            p -= 1
+        if weight.device.type != "cpu" or not weight.is_contiguous():
+            p = 1
+        self.weight, self.bias, self.parts, self.out, self.inp = weight, bias, p, out, inp
+        if p > 1:
+            self.blocks = weight.detach().view(p, out // p, inp).transpose(1, 2)  # (P, in, out/P)
+            self.bias_blocks = None if bias is None else bias.detach().view(p, 1, out // p)  # (P, 1, out/P)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.parts == 1:
+            return F.linear(x, self.weight, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(1, -1, self.inp).expand(self.parts, -1, -1)  # (P, N, in): a view
+        if self.bias_blocks is None:
+            y = torch.bmm(x2, self.blocks)  # (P, N, out/P)
+        else:
+            y = torch.baddbmm(self.bias_blocks, x2, self.blocks)
+        return y.transpose(0, 1).reshape(*lead, self.out)  # block p holds outputs p*out/P.. : a view for N=1
+
+
+def _lean_norm(module):
+    """A norm's ``forward`` without ``nn.Module.__call__``'s bookkeeping (GPT-2's LayerNorm reduced
+    to the kernel its ``forward`` calls)."""
+    from .model import LayerNorm
 
     if type(module) is LayerNorm:
         shape, w, b, eps = module.weight.shape, module.weight, module.bias, module.eps
@@ -115,32 +151,57 @@ def _lean(module):
             return torch.layer_norm(x, shape, w, b, eps)
 
         return layer_norm
+    return module.forward
+
+
+def _lean_mlp(module, parts: int):
+    """The feed-forward's ``forward`` (dropout off) with its two matrix products row-split."""
+    from .model import MLP, SwiGLU, new_gelu
+
+    fc = _RowSplitLinear(module.c_fc.weight, module.c_fc.bias, parts)
+    proj = _RowSplitLinear(module.c_proj.weight, module.c_proj.bias, parts)
     if type(module) is MLP:
-        fc_w, fc_b, pr_w, pr_b = module.c_fc.weight, module.c_fc.bias, module.c_proj.weight, module.c_proj.bias
 
         def mlp(x):
-            return F.linear(new_gelu(F.linear(x, fc_w, fc_b)), pr_w, pr_b)
+            return proj(new_gelu(fc(x)))
 
         return mlp
+    if type(module) is SwiGLU:
+
+        def swiglu(x):
+            gate, up = fc(x).chunk(2, dim=-1)
+            return proj(F.silu(gate) * up)
+
+        return swiglu
     return module.forward
 
 
 class _FastDecodeStep:
-    """One decode step (one new token per row over a :class:`StaticKVCache`, no padding) of a
+    """Decode steps (a few new tokens per row over a :class:`StaticKVCache`, no padding) of a
     :class:`gptlab.GPT`, with the per-step Python overhead cut to the bone.
 
     ``GPT.forward`` is general (any T, masks, padding, any cache); at batch 1 on a CPU its module
     calls and bookkeeping cost about as much as the matrix products themselves. This step does the
-    same arithmetic with the same weights and kernels: it calls the model's own norm and MLP
-    ``forward`` functions, and writes out only the attention of a single query (append k, v to the
-    cache in place; attend to the filled prefix, or the last ``window_size`` slots). Tests check it
-    against ``GPT.forward`` for every model variant it accepts (:meth:`supports`).
+    same arithmetic with the same weights: the model's own norm kernels, its matrix products split
+    in row blocks over the CPU's cores (:class:`_RowSplitLinear`), and the attention of the new
+    queries written out (append k, v to the cache in place; attend to the filled prefix, or the
+    last ``window_size`` slots, causally within the new tokens). One token is a decode step; a few
+    (``T > 1``) are speculative decoding's verification pass. Tests check it against
+    ``GPT.forward`` for every model variant it accepts (:meth:`supports`) and both ways of
+    computing the products.
+
+    ``parts``: row blocks per weight matrix (default: ``torch.get_num_threads()`` on a CPU, 1 on
+    a GPU, where one kernel already uses the whole device).
     """
 
-    def __init__(self, model, cache: StaticKVCache):
+    def __init__(self, model, cache: StaticKVCache, parts: int | None = None):
         from .model import apply_rope
 
         c = model.config
+        device = model.lm_head.weight.device
+        if parts is None:
+            parts = torch.get_num_threads() if device.type == "cpu" else 1
+        self.parts = parts
         self.apply_rope = apply_rope
         self.model, self.cache = model, cache
         self.nh, self.nkv, self.hd = c.n_head, c.kv_heads, c.head_dim
@@ -151,20 +212,20 @@ class _FastDecodeStep:
         self.wte = t.wte.weight
         self.wpe = t.wpe.weight if c.pos_emb == "learned" else None
         self.rope = (model.rope_cos, model.rope_sin) if c.pos_emb == "rope" else None
-        self.ln_f = _lean(t.ln_f)
-        self.head_w = model.lm_head.weight
+        self.ln_f = _lean_norm(t.ln_f)
+        self.head = _RowSplitLinear(model.lm_head.weight, None, parts)
+        self.blocks = [
+            (_lean_norm(b.ln_1), _RowSplitLinear(b.attn.c_attn.weight, b.attn.c_attn.bias, parts),
+             _RowSplitLinear(b.attn.c_proj.weight, b.attn.c_proj.bias, parts),
+             _lean_norm(b.ln_2), _lean_mlp(b.mlp, parts))
+            for b in t.h
+        ]
         self._bind()
 
     def _bind(self) -> None:
-        """Per-layer weights and cache buffers (rebound if the cache replaced its buffers)."""
-        cache = self.cache
-        self._k = cache.k
-        self.layers = [
-            (_lean(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight, b.attn.c_proj.bias,
-             _lean(b.ln_2), _lean(b.mlp), cache.k[i], cache.v[i])
-            for i, b in enumerate(self.model.transformer.h)
-        ]
-        self.slots = torch.arange(cache.max_len, device=cache.k.device)
+        """The cache's per-layer buffers (rebound if the cache replaced its buffers)."""
+        self._k = self.cache.k
+        self.kv = [(self.cache.k[i], self.cache.v[i]) for i in range(len(self.blocks))]
 
     @staticmethod
     def supports(model, cache) -> bool:
@@ -181,43 +242,51 @@ class _FastDecodeStep:
                 return False
         return True
 
-    def __call__(self, tok: Tensor, pos: int) -> Tensor:
-        """tok (B, 1) at slot ``pos`` == ``cache.length`` -> next-token logits (B, V)."""
+    def __call__(self, tok: Tensor, pos: int, last_only: bool = True) -> Tensor:
+        """tok (B, T) at slots ``pos..pos+T-1`` (``pos == cache.length``) -> next-token logits:
+        (B, V) for the last position if ``last_only``, else (B, T, V)."""
+        from .model import slot_mask
+
         if self.cache.k is not self._k:
             self._bind()
-        B = tok.shape[0]
+        B, T = tok.shape
         nh, nkv, hd, qd, kvd = self.nh, self.nkv, self.hd, self.q_dim, self.kv_dim
-        x = F.embedding(tok, self.wte)  # (B, 1, C)
+        if pos + T > self.cache.max_len:
+            raise ValueError(f"the cache holds {self.cache.max_len} slots, got tokens up to slot {pos + T}")
+        x = F.embedding(tok, self.wte)  # (B, T, C)
         if self.wpe is not None:
-            x = x + self.wpe[pos]
+            x = x + self.wpe[pos : pos + T]
         cos = sin = None
         if self.rope is not None:
-            cos, sin = self.rope[0][pos], self.rope[1][pos]  # (hd,), broadcast over (B, h, 1, hd)
-        lo = max(0, pos + 1 - self.window) if self.window else 0
-        n_keys = pos + 1 - lo
-        slot = self.slots[pos : pos + 1]
-        fused = nkv == nh
-        for ln_1, aw, ab, pw, pb, ln_2, mlp, K, Vc in self.layers:
-            qkv = F.linear(ln_1(x), aw, ab)  # (B, 1, qd + 2 kvd)
-            # with one token, (B, 1, h, hd) and (B, h, 1, hd) have the same memory layout
-            if fused:
+            cos, sin = self.rope[0][pos : pos + T], self.rope[1][pos : pos + T]  # (T, hd), broadcast
+        lo = max(0, pos + 1 - self.window) if self.window else 0  # the first query's oldest key
+        n_keys = pos + T - lo
+        # one query sees every key in [lo, pos]; several are causal (and windowed) among themselves
+        mask = None if T == 1 else slot_mask(pos, T, lo, n_keys, window=self.window, device=tok.device)
+        one_fused = T == 1 and nkv == nh
+        for (ln_1, attn, proj, ln_2, mlp), (K, Vc) in zip(self.blocks, self.kv):
+            qkv = attn(ln_1(x))  # (B, T, qd + 2 kvd)
+            if one_fused:  # with one token, (B, 1, h, hd) and (B, h, 1, hd) share their memory layout
                 q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
             else:
-                q = qkv.narrow(2, 0, qd).view(B, nh, 1, hd)
-                k = qkv.narrow(2, qd, kvd).view(B, nkv, 1, hd)
-                v = qkv.narrow(2, qd + kvd, kvd).view(B, nkv, 1, hd)
+                q = qkv.narrow(2, 0, qd).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+                k = qkv.narrow(2, qd, kvd).view(B, T, nkv, hd).transpose(1, 2)
+                v = qkv.narrow(2, qd + kvd, kvd).view(B, T, nkv, hd).transpose(1, 2)
             if cos is not None:
                 q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
-            K.index_copy_(2, slot, k)  # append to the cache, in place
-            Vc.index_copy_(2, slot, v)
+            K.narrow(2, pos, T).copy_(k)  # append to the cache, in place
+            Vc.narrow(2, pos, T).copy_(v)
             ks, vs = K.narrow(2, lo, n_keys), Vc.narrow(2, lo, n_keys)
             if self.rep > 1:
                 ks, vs = ks.repeat_interleave(self.rep, dim=1), vs.repeat_interleave(self.rep, dim=1)
-            y = F.scaled_dot_product_attention(q, ks, vs)  # (B, nh, 1, hd): one query sees every key
-            x = x + F.linear(y.view(B, 1, qd), pw, pb)
+            y = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # (B, nh, T, hd)
+            x = x + proj(y.transpose(1, 2).reshape(B, T, qd))
             x = x + mlp(ln_2(x))
-        self.cache.length = pos + 1
-        return F.linear(self.ln_f(x), self.head_w)[:, 0]
+        self.cache.length = pos + T
+        x = self.ln_f(x)
+        if last_only:
+            return self.head(x[:, -1])  # (B, V)
+        return self.head(x)  # (B, T, V)
 
 
 class _Runner:

@@ -307,9 +307,12 @@ def speculative_generate(
         # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
         tcache = StaticKVCache.for_model(target, 1, end)
         dcache = StaticKVCache.for_model(draft, 1, end)
-        # The draft's one-token steps are pure per-call overhead for a small model: use the lean
-        # decode step of gptlab.generation (same weights, same logits as GPT.forward) where it applies.
+        # Decode steps of small models on a CPU are mostly per-call overhead and single-core matrix
+        # products: use the lean step of gptlab.generation (same weights, same logits as
+        # GPT.forward, products split over the cores) for the draft's guesses and the target's
+        # verification pass, where it applies.
         dfast = _FastDecodeStep(draft, dcache) if _FastDecodeStep.supports(draft, dcache) else None
+        tfast = _FastDecodeStep(target, tcache) if _FastDecodeStep.supports(target, tcache) else None
         n = T0
         if n > 1:  # prefill everything but the last prompt token, which opens round one
             target(seq[None, : n - 1], kv_cache=tcache, last_only=True)
@@ -322,7 +325,7 @@ def speculative_generate(
             guesses, qs = [], []
             x = seq[None, dcache.length : n]  # what the draft has not seen yet (1 or 2 tokens)
             for _ in range(g):
-                if dfast is not None and x.shape[1] == 1:
+                if dfast is not None:
                     logits = dfast(x, dcache.length)  # (1, V)
                 else:
                     logits = draft(x, kv_cache=dcache, last_only=True)[0][:, -1]  # (1, V)
@@ -338,7 +341,10 @@ def speculative_generate(
             draft_tokens = torch.cat(guesses) if guesses else seq.new_empty(0)  # (g,)
             # 2. the target scores the last token and all g guesses in one forward pass
             cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
-            tlogits = target(cand, kv_cache=tcache)[0][0]  # (g+1, V)
+            if tfast is not None:
+                tlogits = tfast(cand, tcache.length, last_only=False)[0]  # (g+1, V)
+            else:
+                tlogits = target(cand, kv_cache=tcache)[0][0]  # (g+1, V)
             stats.target_forwards += 1
             # 3. keep the agreed prefix, add one target token
             if greedy:

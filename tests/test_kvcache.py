@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gptlab import GPT, GPTConfig, generate
 from gptlab.generation import make_cache
@@ -191,9 +192,12 @@ def test_make_cache_choices():
         make_cache(m, 2, 10, "paged")
 
 
+@pytest.mark.parametrize("parts", [1, 2, 3])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fast_decode_step_equals_model_forward(variant):
-    """generate's lean decode step (static cache, no padding) computes GPT.forward's logits."""
+def test_fast_decode_step_equals_model_forward(variant, parts):
+    """generate's lean decode step (static cache, no padding) computes GPT.forward's logits, one
+    token at a time and a few at a time (speculative verification), with its matrix products
+    whole (parts=1) or split in row blocks over the cores (parts > 1)."""
     from gptlab.generation import _FastDecodeStep
 
     m = _model(**VARIANTS[variant])
@@ -206,13 +210,40 @@ def test_fast_decode_step_equals_model_forward(variant):
     with torch.no_grad():
         full, _ = m(ids)
         m(ids[:, :T0], kv_cache=cache)
-        step = _FastDecodeStep(m, cache)
-        for t in range(T0, ids.shape[1]):
+        step = _FastDecodeStep(m, cache, parts=parts)
+        if parts > 1:  # the split really happens (c_attn: 64 or 96 rows)
+            assert step.blocks[0][1].parts > 1
+        for t in range(T0, 12):
             logits = step(ids[:, t : t + 1], t)
             torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=0, msg=f"step {t}")
             assert cache.length == t + 1
+        for t, n in ((12, 3), (15, 1), (16, 4)):  # chunks, causal within (and windowed)
+            logits = step(ids[:, t : t + n], t, last_only=False)
+            torch.testing.assert_close(logits, full[:, t : t + n], atol=1e-5, rtol=0, msg=f"chunk {t}+{n}")
+            assert cache.length == t + n
+        with pytest.raises(ValueError, match="slots"):
+            step(ids[:, :5], cache.max_len - 2)
     idx = ids[:, :T0]
     assert torch.equal(generate(m, idx, 20, temperature=0, fast=True), generate(m, idx, 20, temperature=0, fast=False))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(96, 32), (65, 32), (8, 32)])
+def test_row_split_linear_equals_f_linear(shape, bias):
+    """The row-block product equals F.linear for 1 and several tokens; a row count the parts do not
+    divide (65) or too few rows (8) falls back to fewer parts, never to a wrong result."""
+    from gptlab.generation import _RowSplitLinear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g)
+    b = torch.randn(shape[0], generator=g) if bias else None
+    for parts in (1, 2, 3, 4):
+        lin = _RowSplitLinear(w, b, parts)
+        assert 1 <= lin.parts <= parts and shape[0] % lin.parts == 0
+        for lead in ((1, 1), (2, 1), (1, 5), (3, 4)):
+            x = torch.randn(*lead, shape[1], generator=g)
+            torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert _RowSplitLinear(w, b, 2).parts == (2 if shape[0] == 96 else 1)
 
 
 def test_fast_decode_step_not_used_with_hooks_or_training():
