@@ -14,10 +14,12 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
 * Prompts of different lengths go in one batch *left-padded*, with ``attention_mask`` (B, T) (1 =
   real token). Positions come from the mask's cumulative sum, so each row generates exactly what it
   would alone.
-* Decode steps over an unpadded :class:`~gptlab.kvcache.StaticKVCache` run a lean single-token
-  step (:class:`_FastDecodeStep`: the same weights, kernels and logits as ``GPT.forward``, without
-  its per-call generality), which is what makes batch-1 decoding fast on a CPU; ``fast=False``
-  calls ``GPT.forward`` every step. ``python -m gptlab bench generate`` measures both.
+* Decode steps over an unpadded :class:`~gptlab.kvcache.StaticKVCache` run a lean step
+  (:class:`_FastDecodeStep`: the same weights and logits as ``GPT.forward``, without its per-call
+  generality, and with each matrix product split in row blocks over the CPU's cores), which is
+  what makes batch-1 decoding fast on a CPU; ``fast=False`` calls ``GPT.forward`` every step.
+  ``python -m gptlab bench generate`` measures both. Speculative decoding
+  (:mod:`gptlab.speculative`) runs its draft's steps and its target's verification on it too.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.
@@ -266,14 +268,17 @@ class _FastDecodeStep:
         one_fused = T == 1 and nkv == nh
         for (ln_1, attn, proj, ln_2, mlp), (K, Vc) in zip(self.blocks, self.kv):
             qkv = attn(ln_1(x))  # (B, T, qd + 2 kvd)
-            if one_fused:  # with one token, (B, 1, h, hd) and (B, h, 1, hd) share their memory layout
+            if cos is not None:  # rotate the queries' and the keys' heads in one go
+                qk = qkv.narrow(2, 0, qd + kvd).view(B, T, nh + nkv, hd).transpose(1, 2)
+                qk = self.apply_rope(qk, cos, sin)  # (B, nh + nkv, T, hd)
+                q, k = qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv)
+                v = qkv.narrow(2, qd + kvd, kvd).view(B, T, nkv, hd).transpose(1, 2)
+            elif one_fused:  # with one token, (B, 1, h, hd) and (B, h, 1, hd) share their memory layout
                 q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
             else:
                 q = qkv.narrow(2, 0, qd).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
                 k = qkv.narrow(2, qd, kvd).view(B, T, nkv, hd).transpose(1, 2)
                 v = qkv.narrow(2, qd + kvd, kvd).view(B, T, nkv, hd).transpose(1, 2)
-            if cos is not None:
-                q, k = self.apply_rope(q, cos, sin), self.apply_rope(k, cos, sin)
             K.narrow(2, pos, T).copy_(k)  # append to the cache, in place
             Vc.narrow(2, pos, T).copy_(v)
             ks, vs = K.narrow(2, lo, n_keys), Vc.narrow(2, lo, n_keys)

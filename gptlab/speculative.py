@@ -39,6 +39,7 @@ from torch import Tensor
 
 from .generation import _FastDecodeStep
 from .kvcache import StaticKVCache
+from .sampling import sample_from_probs
 
 __all__ = ["speculative_generate", "SpeculativeStats", "expected_tokens_per_round", "verify_draft"]
 
@@ -149,10 +150,11 @@ class SpeculativeStats:
 
 
 def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """One draw per row of ``probs`` (N, V) -> (N,), on the generator's device if one is given."""
+    """One draw per row of ``probs`` (N, V) -> (N,), on the generator's device if one is given
+    (the draws of ``torch.multinomial(probs, 1)``, without its checks: see ``sample_from_probs``)."""
     if generator is not None and probs.device != generator.device:
-        return torch.multinomial(probs.to(generator.device), 1, generator=generator).squeeze(-1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        return sample_from_probs(probs.to(generator.device), generator).squeeze(-1).to(probs.device)
+    return sample_from_probs(probs, generator).squeeze(-1)
 
 
 def verify_draft(

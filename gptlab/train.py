@@ -13,6 +13,10 @@ The loop, as in nanoGPT:
   disjoint windows of ``block_size`` tokens, or its first ``eval_tokens`` tokens);
 * a tqdm progress bar, ``metrics.jsonl`` (one JSON object per evaluation), ``loss.png``, and a
   resumable checkpoint in ``OUT/ckpt`` (bit-for-bit identical continuation on CPU);
+* distillation (``teacher=RUN``): the loss becomes ``(1 - w) CE + w KL(teacher || model)``, which
+  trains a small model to predict like a big one (a draft for speculative decoding accepts more of
+  its guesses when it does); ``train_loss`` in the metrics is that loss, ``val_loss`` stays the
+  cross-entropy;
 * on CUDA: bf16 autocast (fp16 + GradScaler where bf16 is missing), TF32 matmuls, fused AdamW,
   optional ``torch.compile``; several GPUs (or CPU processes) with ``torchrun``
   (DistributedDataParallel: rank 0 logs and saves, every rank draws its own batches).
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from .checkpoint import load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap_model
 from .device import pick_device
@@ -96,6 +101,9 @@ class TrainConfig:
     beta2: float = 0.99
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
+    # distillation: also match a trained teacher's next-token distributions (a speculative draft)
+    teacher: str | None = None  # a run folder or checkpoint (gptlab.checkpoint.load_model); None: off
+    distill_weight: float = 1.0  # loss = (1 - w) * cross-entropy + w * KL(teacher || model)
     # evaluation, logging, checkpoints
     eval_interval: int = 250
     eval_tokens: int | None = None  # None: the whole validation split
@@ -191,6 +199,7 @@ def _validate(c: TrainConfig) -> None:
     need(c.checkpoint_interval is None or c.checkpoint_interval >= 1,
          f"checkpoint_interval must be >= 1 or None, got {c.checkpoint_interval}")
     need(c.target_loss is None or c.target_loss > 0, f"target_loss must be > 0 or None, got {c.target_loss}")
+    need(0.0 <= c.distill_weight <= 1.0, f"distill_weight must be in [0, 1], got {c.distill_weight}")
     need(c.num_threads is None or c.num_threads >= 1, f"num_threads must be >= 1 or None, got {c.num_threads}")
     need(c.dataset in DATASETS, f"unknown dataset {c.dataset!r}; known: {sorted(DATASETS)}")
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -481,6 +490,7 @@ class Trainer:
         if resume:
             self._resume()
 
+        self.teacher = self._load_teacher(cfg) if cfg.teacher is not None else None
         self.raw_model = self.model
         model: nn.Module = self.model
         if cfg.compile:
@@ -490,6 +500,39 @@ class Trainer:
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.train_model = model
         self.val_x, self.val_y = val_windows(self.data.val, cfg.block_size, cfg.eval_tokens)
+
+    def _load_teacher(self, cfg: TrainConfig) -> GPT:
+        """The frozen teacher of a distillation run, checked against the data and the student."""
+        from .checkpoint import load_model
+
+        try:
+            teacher, _ = load_model(cfg.teacher, device=self.device)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"TrainConfig.teacher: cannot load a model from {cfg.teacher!r}: {e}") from e
+        tc = teacher.config
+        if tc.vocab_size != self.data.vocab_size:
+            raise ValueError(f"TrainConfig.teacher: the teacher's vocabulary has {tc.vocab_size} tokens, "
+                             f"the data's {self.data.vocab_size}: distillation needs the same tokens")
+        if tc.block_size < cfg.block_size:
+            raise ValueError(f"TrainConfig.teacher: the teacher's block_size ({tc.block_size}) is shorter than "
+                             f"the run's ({cfg.block_size})")
+        teacher.requires_grad_(False)
+        return teacher.eval()
+
+    def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """The training loss of a batch: cross-entropy with the next tokens, and with a teacher
+        ``(1 - w) * CE + w * KL(teacher || model)``, the forward KL per token between the teacher's
+        and the model's next-token distributions (its gradient pulls the model's probabilities
+        toward the teacher's on every token, not only the observed one)."""
+        logits, ce = model(x, y)
+        if self.teacher is None:
+            return ce
+        w = self.cfg.distill_weight
+        with torch.no_grad():
+            t_logp = F.log_softmax(self.teacher(x)[0].float(), dim=-1)  # (B, T, V)
+        logq = F.log_softmax(logits.float(), dim=-1)
+        kl = F.kl_div(logq.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
+        return (1.0 - w) * ce + w * kl
 
     # ---- state
 
@@ -664,8 +707,7 @@ class Trainer:
             sync = model.no_sync() if self.dist.enabled and i < n - 1 else contextlib.nullcontext()
             with sync:
                 with self._autocast():
-                    _, loss = model(x, y)
-                    loss = loss / n
+                    loss = self._loss(model, x, y) / n
                 self.scaler.scale(loss).backward()
             total += loss.detach().float()
         return total

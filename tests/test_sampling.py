@@ -265,3 +265,21 @@ def test_sample_next_is_reproducible_and_shaped():
     b = sample_next(x, torch.Generator().manual_seed(7))
     assert a.shape == (x.shape[0], 1) and a.dtype == torch.int64
     assert torch.equal(a, b)
+
+
+def test_sample_from_probs_draws_what_torch_multinomial_draws():
+    """The exponential race is torch.multinomial's own one-sample algorithm: same generator state,
+    same tokens (so gptlab's sampled decoding equals HF's, which calls multinomial), and a
+    probability-0 token is never drawn."""
+    from gptlab.sampling import sample_from_probs
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(64, 50, generator=g), -1)
+    probs[:, :10] = 0.0  # filtered-out tokens
+    probs = probs / probs.sum(-1, keepdim=True)
+    for seed in range(20):
+        want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
+        got = sample_from_probs(probs, torch.Generator().manual_seed(seed))
+        assert got.shape == (64, 1) and got.dtype == torch.int64
+        assert torch.equal(got, want)
+        assert bool((got >= 10).all())

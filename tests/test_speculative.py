@@ -358,3 +358,32 @@ def test_bad_inputs_raise_clear_errors():
             speculative_generate(kw.pop("target"), kw.pop("draft"), kw.pop("idx"), kw.pop("max_new_tokens"), **kw)
     out, st = speculative_generate(target, draft, idx, 0)
     assert torch.equal(out, idx) and st.rounds == 0
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def test_bench_speculative_quick_smoke(tmp_path):
+    """The benchmark trains its (quick) target, distils its draft from it, checks greedy outputs
+    equal the target's own, and writes JSON and a plot (no timing asserted)."""
+    import io
+    import json
+    from contextlib import redirect_stdout
+
+    from gptlab.__main__ import main
+
+    out_json, out_png = tmp_path / "spec.json", tmp_path / "spec.png"
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        rc = main(["bench", "speculative", "--preset", "quick", "--models", str(tmp_path / "models"), "--gs", "2,3",
+                   "--new-tokens", "24", "--prompts", "1", "--rounds", "1", "--threads", "1",
+                   "--json", str(out_json), "--plot", str(out_png)])
+    assert rc == 0
+    data = json.loads(out_json.read_text())
+    assert data["machine"] in buf.getvalue()
+    assert data["models"]["draft"]["distilled"] and not data["models"]["target"]["distilled"]
+    for mode in ("greedy", "T=1"):
+        rows = data["modes"][mode]["rows"]
+        assert [r["g"] for r in rows] == [2, 3]
+        assert all(0 <= r["acceptance_rate"] <= 1 and r["speedup_best"] > 0 for r in rows)
+    assert out_png.stat().st_size > 1000

@@ -283,3 +283,67 @@ def test_bench_train_reports_figures(tmp_path, capsys):
     assert 0 < fig["mfu"] < 1  # achieved FLOP/s below the measured matmul peak
     assert fig["time_to_target_s"] > 0 and fig["step_at_target"] == 20
     assert fig["final_val_loss"] <= 3.9
+
+
+# ------------------------------------------------------------------------------------ distillation
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("teacher")
+    train(get_recipe("tiny", n_layer=2, n_embd=48, max_steps=200, eval_interval=200, plot=False, **QUIET), out)
+    return out
+
+
+def _agreement(student, teacher, x) -> float:
+    """E[sum_v min(p, q)]: the acceptance probability of speculative sampling with this draft."""
+    with torch.no_grad():
+        p, q = torch.softmax(teacher(x)[0], -1), torch.softmax(student(x)[0], -1)
+    return float(torch.minimum(p, q).sum(-1).mean())
+
+
+def test_distillation_loss_is_ce_plus_forward_kl(teacher_dir):
+    """The loss is (1 - w) CE + w KL(teacher || student), per token; a student equal to its teacher
+    has KL 0."""
+    from gptlab.data import get_batch
+
+    tr = Trainer(small(teacher=str(teacher_dir), distill_weight=0.3, save=False, plot=False), teacher_dir / "x")
+    try:
+        x, y = get_batch(tr.data.train, 4, 32, generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            logits, ce = tr.model(x, y)
+            p = torch.distributions.Categorical(logits=tr.teacher(x)[0])
+            q = torch.distributions.Categorical(logits=logits)
+            kl = torch.distributions.kl_divergence(p, q).mean()
+            got = tr._loss(tr.model, x, y)
+        torch.testing.assert_close(got, 0.7 * ce + 0.3 * kl, atol=1e-5, rtol=1e-5)
+        tr.cfg = tr.cfg.with_overrides(distill_weight=1.0)
+        with torch.no_grad():
+            assert float(tr._loss(tr.teacher, x, y)) == pytest.approx(0.0, abs=1e-6)
+    finally:
+        tr.close()
+
+
+def test_distilled_draft_agrees_more_with_its_teacher(teacher_dir, tmp_path):
+    """Same student, same batches, same steps: trained on the teacher's distributions it predicts
+    like the teacher more often than trained on the data alone."""
+    teacher, _ = load_model(teacher_dir)
+    from gptlab.data import prepare_char_data
+
+    x, _ = val_windows(prepare_char_data().val, 32, 8192)
+    cfg = small(max_steps=100, eval_interval=100, plot=False)
+    train(cfg, tmp_path / "plain")
+    train(cfg.with_overrides(teacher=str(teacher_dir)), tmp_path / "distilled")
+    plain, _ = load_model(tmp_path / "plain")
+    distilled, _ = load_model(tmp_path / "distilled")
+    a_plain, a_dist = _agreement(plain, teacher, x), _agreement(distilled, teacher, x)
+    assert a_dist > a_plain + 0.01, (a_plain, a_dist)
+
+
+def test_distillation_bad_teacher_raises_clear_errors(tmp_path, teacher_dir):
+    with pytest.raises(ValueError, match="distill_weight must be in"):
+        small(distill_weight=1.5)
+    with pytest.raises(ValueError, match="cannot load a model from"):
+        Trainer(small(teacher=str(tmp_path / "nowhere")), tmp_path / "out")
+    with pytest.raises(ValueError, match="block_size"):
+        Trainer(small(teacher=str(teacher_dir), block_size=64), tmp_path / "out")

@@ -6,10 +6,13 @@ against the target decoding alone (:func:`gptlab.generate`, same decoding settin
 (temperature 0) and sampled (temperature 1).
 
 The models are course-trained on Tiny Shakespeare characters with :func:`gptlab.train.train`: a
-*target* (``--preset default``: 6 layers x 192) and a much smaller *draft* (1 layer x 128). They are
-trained on first use (with a progress bar) and cached under ``--models`` (default
-``<gptlab cache>/bench-speculative``, one folder per training configuration), so later runs only
-measure. Prompts are slices of the validation text.
+*target* (``--preset default``: 6 layers x 192, Llama-style) and a much smaller *draft* (1 layer x
+128, GPT-2-style: LayerNorm, learned positions and GELU cost half of RMSNorm, RoPE and SwiGLU per
+decode step at this size), *distilled* from the target (``TrainConfig.teacher``: it learns the
+target's next-token distributions, so it guesses what the target would sample more often than a
+draft trained on the text alone). They are trained on first use (with a progress bar) and cached
+under ``--models`` (default ``<gptlab cache>/bench-speculative``, one folder per training
+configuration), so later runs only measure. Prompts are slices of the validation text.
 
 Reported per ``g``: the acceptance rate (accepted / drafted guesses), ``alpha`` (per-guess
 acceptance probability), tokens per target forward pass (measured, and predicted by
@@ -41,12 +44,13 @@ PRESETS: dict[str, dict[str, dict]] = {
     # a few minutes on an idle 2-core CPU
     "default": {
         "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=800),
-        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4),
+        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4, model_kwargs={},
+                      distill=True),
     },
     # a smoke test: seconds to a minute
     "quick": {
         "target": dict(n_layer=4, n_head=4, n_embd=128, max_steps=150),
-        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=150),
+        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=150, model_kwargs={}, distill=True),
     },
 }
 
@@ -67,11 +71,16 @@ def add_arguments(parser) -> None:
                         help="PNG of speed-up against draft length ('' = no plot)")
 
 
-def _train_config(preset: str, role: str):
+def _train_config(preset: str, role: str, teacher: str | None = None):
     from ..train import get_recipe
 
+    spec = dict(PRESETS[preset][role])
+    if spec.pop("distill", False):
+        if teacher is None:
+            raise ValueError(f"preset {preset!r}: the {role} is distilled and needs the target's folder")
+        spec["teacher"] = teacher
     return get_recipe("shakespeare-char-cpu").with_overrides(
-        **{**_COMMON, **PRESETS[preset][role]}, eval_interval=PRESETS[preset][role]["max_steps"], device="cpu"
+        **{**_COMMON, **spec}, eval_interval=spec["max_steps"], device="cpu"
     )
 
 
@@ -92,8 +101,8 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
 
     root = Path(models_dir) if models_dir else cache_dir() / "bench-speculative"
     models, info = {}, {}
-    for role in ("target", "draft"):
-        cfg = _train_config(preset, role)
+    for role in ("target", "draft"):  # the target first: the draft learns from it
+        cfg = _train_config(preset, role, teacher=info["target"]["dir"] if role == "draft" else None)
         key = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
         out = root / f"{role}-{key}"
         done = out / "bench_done.json"
@@ -105,7 +114,9 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
         models[role] = model.eval()
         meta = json.loads(done.read_text())
         info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
-                      "train_steps": cfg.max_steps, "val_loss": meta["summary"].get("val_loss")}
+                      "train_steps": cfg.max_steps, "val_loss": meta["summary"].get("val_loss"),
+                      "style": "Llama" if cfg.model_kwargs.get("norm") == "rmsnorm" else "GPT-2",
+                      "distilled": cfg.teacher is not None}
     return models["target"], models["draft"], info
 
 
@@ -135,8 +146,9 @@ def run(args) -> int:
     print(f"machine: {machine_name()}")
     for role in ("target", "draft"):
         i = info[role]
-        print(f"{role}: {i['n_layer']} layers x {i['n_embd']}, {i['params'] / 1e6:.2f}M params, "
-              f"{i['train_steps']} steps, val loss {i['val_loss']:.3f}")
+        print(f"{role}: {i['n_layer']} layers x {i['n_embd']} ({i['style']}-style), {i['params'] / 1e6:.2f}M params, "
+              f"{i['train_steps']} steps{' distilled from the target' if i['distilled'] else ''}, "
+              f"val loss {i['val_loss']:.3f}")
 
     results = {"machine": machine_name(), "models": info, "new_tokens": n_new, "prompts": len(prompts),
                "rounds": args.rounds, "modes": {}}
