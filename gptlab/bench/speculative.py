@@ -221,8 +221,8 @@ def _plot(results: dict, path: Path) -> None:
     ax.set_xlabel("draft length g")
     ax.set_ylabel("speed-up over the target alone / tokens per pass")
     t, d = results["models"]["target"], results["models"]["draft"]
-    ax.set_title(f"Speculative decoding: {t['n_layer']}x{t['n_embd']} target, {d['n_layer']}x{d['n_embd']} draft",
-                 fontsize=10)
+    ax.set_title(f"Speculative decoding: {t['n_layer']}x{t['n_embd']} target, {d['n_layer']}x{d['n_embd']} draft"
+                 f"{' (distilled)' if d.get('distilled') else ''}", fontsize=10)
     ax.text(0.01, -0.16, results["machine"][:110], transform=ax.transAxes, fontsize=6, color="grey")
     ax.legend(fontsize=8)
     fig.tight_layout()
