@@ -682,6 +682,8 @@ def _cli_sample(args) -> int:
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
+    if args.draft is not None:
+        return _cli_speculative(args, model, tokenizer, idx, gen)
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, generator=gen,
@@ -699,6 +701,31 @@ def _cli_sample(args) -> int:
             all_ids.append(int(tok[0, 0]))
             printed = _print_stream(tokenizer, all_ids, printed)
         print()
+    return 0
+
+
+def _cli_speculative(args, model, tokenizer, idx: Tensor, gen: torch.Generator) -> int:
+    """``sample --draft``: speculative decoding, each sample printed whole, then its statistics."""
+    from .checkpoint import load_model
+    from .speculative import speculative_generate
+
+    if args.repetition_penalty is not None:
+        raise SystemExit("--repetition-penalty is not supported with --draft (speculative decoding "
+                         "applies temperature, top-k and top-p only)")
+    draft, _ = load_model(args.draft, device=idx.device)
+    for s in range(args.num_samples):
+        if s:
+            print("\n" + "-" * 40)
+        try:
+            out, stats = speculative_generate(
+                model, draft, idx, args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
+            )
+        except ValueError as e:
+            raise SystemExit(f"speculative decoding: {e}") from e
+        print(tokenizer.decode(out[0].tolist()))
+        print(f"[speculative decoding: {stats.acceptance_rate:.0%} of the draft's guesses accepted, "
+              f"{stats.tokens_per_target_forward:.2f} tokens per target forward pass]", file=sys.stderr)
     return 0
 
 
@@ -721,4 +748,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--no-stream", action="store_true", help="print each sample at the end instead of streaming")
     p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--draft", default=None, metavar="CKPT",
+                   help="a smaller checkpoint with the same tokenizer: decode speculatively, the draft "
+                        "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, help="guesses per round with --draft")
     p.set_defaults(func=_cli_sample)

@@ -254,7 +254,7 @@ def test_cli_sample_help():
         main(["sample", "--help"])
     assert e.value.code == 0
     for opt in ("--ckpt", "--prompt", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
-                "--repetition-penalty", "--seed", "--num-samples", "--no-stream"):
+                "--repetition-penalty", "--seed", "--num-samples", "--no-stream", "--draft", "--num-draft-tokens"):
         assert opt in buf.getvalue()
 
 
@@ -294,3 +294,30 @@ def test_bench_generate_quick_smoke(tmp_path):
     assert all(data["same_tokens"][k] for k in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd"))
     assert data["results"]["gptlab_cached"]["tokens_per_s_best"] > 0
     assert out_png.stat().st_size > 1000
+
+
+def test_cli_sample_with_a_draft_decodes_speculatively(tmp_path, capsys):
+    """``sample --draft``: greedy speculative output is the target's own greedy output, and the
+    statistics are reported; a draft with another vocabulary is a clear error."""
+    from gptlab import checkpoint
+    from gptlab.__main__ import main
+    from gptlab.tokenizers import CharTokenizer
+
+    tok = CharTokenizer.from_text("abcdefgh ijklmnop\nqrstuvwxyz")
+    target = _model(vocab_size=tok.vocab_size)
+    torch.manual_seed(5)
+    draft = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    checkpoint.save_checkpoint(tmp_path / "t", target, tokenizer=tok)
+    checkpoint.save_checkpoint(tmp_path / "d", draft, tokenizer=tok)
+    rc = main(["sample", "--ckpt", str(tmp_path / "t"), "--draft", str(tmp_path / "d"), "--prompt", "abc",
+               "--max-new-tokens", "15", "--temperature", "0", "--device", "cpu"])
+    assert rc == 0
+    out, err = capsys.readouterr()
+    expected = tok.decode(generate(target, torch.tensor([tok.encode("abc")]), 15, temperature=0)[0].tolist())
+    assert out.strip() == expected.strip()
+    assert "guesses accepted" in err and "tokens per target forward pass" in err
+    other = GPT(GPTConfig(vocab_size=tok.vocab_size + 3, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    checkpoint.save_checkpoint(tmp_path / "o", other)
+    with pytest.raises(SystemExit, match="vocabulary"):
+        main(["sample", "--ckpt", str(tmp_path / "t"), "--draft", str(tmp_path / "o"), "--prompt", "abc",
+              "--max-new-tokens", "5", "--device", "cpu"])
