@@ -47,10 +47,10 @@ PRESETS: dict[str, dict[str, dict]] = {
         "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4, model_kwargs={},
                       distill=True),
     },
-    # a smoke test: seconds to a minute
+    # a smoke test: seconds
     "quick": {
-        "target": dict(n_layer=4, n_head=4, n_embd=128, max_steps=150),
-        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=150, model_kwargs={}, distill=True),
+        "target": dict(n_layer=2, n_head=2, n_embd=64, max_steps=60, eval_tokens=4096),
+        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=60, eval_tokens=4096, model_kwargs={}, distill=True),
     },
 }
 
@@ -66,12 +66,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the models train (if not cached) and run")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", default="bench_speculative.png", metavar="PATH",
                         help="PNG of speed-up against draft length ('' = no plot)")
 
 
-def _train_config(preset: str, role: str, teacher: str | None = None):
+def _train_config(preset: str, role: str, teacher: str | None = None, device: str = "cpu"):
     from ..train import get_recipe
 
     spec = dict(PRESETS[preset][role])
@@ -80,7 +81,7 @@ def _train_config(preset: str, role: str, teacher: str | None = None):
             raise ValueError(f"preset {preset!r}: the {role} is distilled and needs the target's folder")
         spec["teacher"] = teacher
     return get_recipe("shakespeare-char-cpu").with_overrides(
-        **{**_COMMON, **spec}, eval_interval=spec["max_steps"], device="cpu"
+        **{**_COMMON, **spec}, eval_interval=spec["max_steps"], device=device
     )
 
 
@@ -91,10 +92,11 @@ def _write_json_atomic(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def trained_models(preset: str = "default", models_dir: str | os.PathLike | None = None):
-    """The (target, draft) pair of ``preset``, trained on Tiny Shakespeare characters if they are
-    not cached yet. Returns ``(target, draft, info)``; info holds each model's folder, size and
-    final validation loss."""
+def trained_models(preset: str = "default", models_dir: str | os.PathLike | None = None, device: str = "cpu"):
+    """The (target, draft) pair of ``preset`` on ``device``, trained there on Tiny Shakespeare
+    characters if they are not cached yet (the cache does not depend on the training device).
+    Returns ``(target, draft, info)``; info holds each model's folder, size and final validation
+    loss."""
     from ..assets import cache_dir
     from ..checkpoint import load_model
     from ..train import train
@@ -102,15 +104,17 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
     root = Path(models_dir) if models_dir else cache_dir() / "bench-speculative"
     models, info = {}, {}
     for role in ("target", "draft"):  # the target first: the draft learns from it
-        cfg = _train_config(preset, role, teacher=info["target"]["dir"] if role == "draft" else None)
-        key = hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+        cfg = _train_config(preset, role, teacher=info["target"]["dir"] if role == "draft" else None,
+                            device=device)
+        same = {**cfg.to_dict(), "device": "cpu"}  # one cache entry whatever the device trained it
+        key = hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:12]
         out = root / f"{role}-{key}"
         done = out / "bench_done.json"
         if not done.is_file():
             print(f"training the {role} ({cfg.n_layer} layers x {cfg.n_embd}, {cfg.max_steps} steps) into {out}")
             summary = train(cfg, out, resume=True)  # resumes an interrupted run
             _write_json_atomic(done, {"train_config": cfg.to_dict(), "summary": summary})
-        model, _tok = load_model(out)
+        model, _tok = load_model(out, device=device)
         models[role] = model.eval()
         meta = json.loads(done.read_text())
         info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
@@ -138,11 +142,15 @@ def run(args) -> int:
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     if not gs or min(gs) < 1:
         raise SystemExit(f"--gs must list draft lengths >= 1, got {args.gs!r}")
-    target, draft, info = trained_models(args.preset, args.models)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is available on this machine")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    target, draft, info = trained_models(args.preset, args.models, device=args.device)
     n_new = args.new_tokens
     if not 1 <= n_new <= target.config.block_size - 16:
         raise SystemExit(f"--new-tokens must be in [1, {target.config.block_size - 16}] (16-character prompts)")
-    prompts = _prompts(args.prompts)
+    prompts = [p.to(device) for p in _prompts(args.prompts)]
     print(f"machine: {machine_name()}")
     for role in ("target", "draft"):
         i = info[role]
@@ -150,23 +158,25 @@ def run(args) -> int:
               f"{i['train_steps']} steps{' distilled from the target' if i['distilled'] else ''}, "
               f"val loss {i['val_loss']:.3f}")
 
-    results = {"machine": machine_name(), "models": info, "new_tokens": n_new, "prompts": len(prompts),
-               "rounds": args.rounds, "modes": {}}
+    results = {"machine": machine_name(), "device": str(device), "models": info, "new_tokens": n_new,
+               "prompts": len(prompts), "rounds": args.rounds, "modes": {}}
     for temp in temps:
         mode = "greedy" if temp == 0 else f"T={temp:g}"
         times = {"target": [], **{g: [] for g in gs}}  # seconds per round, summed over the prompts
         stats = {g: [] for g in gs}
         for r in range(args.rounds):
-            gen = torch.Generator().manual_seed(args.seed + r)
+            gen = torch.Generator(device=device).manual_seed(args.seed + r)
             t_round = {"target": 0.0, **{g: 0.0 for g in gs}}
             for idx in prompts:
                 t0 = time.perf_counter()
                 want = generate(target, idx, n_new, temperature=temp, generator=gen)
+                sync()
                 t_round["target"] += time.perf_counter() - t0
                 for g in gs:
                     t0 = time.perf_counter()
                     out, st = speculative_generate(target, draft, idx, n_new, num_draft_tokens=g,
                                                    temperature=temp, generator=gen)
+                    sync()
                     t_round[g] += time.perf_counter() - t0
                     if temp == 0 and not torch.equal(out, want):
                         raise RuntimeError(f"greedy speculative output (g={g}) differs from the target's own")
