@@ -197,14 +197,14 @@ class _FastDecodeStep:
     """
 
     def __init__(self, model, cache: StaticKVCache, parts: int | None = None):
-        from .model import apply_rope
+        from .model import apply_rope, slot_mask
 
         c = model.config
         device = model.lm_head.weight.device
         if parts is None:
             parts = torch.get_num_threads() if device.type == "cpu" else 1
         self.parts = parts
-        self.apply_rope = apply_rope
+        self.apply_rope, self.slot_mask = apply_rope, slot_mask
         self.model, self.cache = model, cache
         self.nh, self.nkv, self.hd = c.n_head, c.kv_heads, c.head_dim
         self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.kv_heads * c.head_dim
@@ -247,8 +247,6 @@ class _FastDecodeStep:
     def __call__(self, tok: Tensor, pos: int, last_only: bool = True) -> Tensor:
         """tok (B, T) at slots ``pos..pos+T-1`` (``pos == cache.length``) -> next-token logits:
         (B, V) for the last position if ``last_only``, else (B, T, V)."""
-        from .model import slot_mask
-
         if self.cache.k is not self._k:
             self._bind()
         B, T = tok.shape
@@ -264,7 +262,7 @@ class _FastDecodeStep:
         lo = max(0, pos + 1 - self.window) if self.window else 0  # the first query's oldest key
         n_keys = pos + T - lo
         # one query sees every key in [lo, pos]; several are causal (and windowed) among themselves
-        mask = None if T == 1 else slot_mask(pos, T, lo, n_keys, window=self.window, device=tok.device)
+        mask = None if T == 1 else self.slot_mask(pos, T, lo, n_keys, window=self.window, device=tok.device)
         one_fused = T == 1 and nkv == nh
         for (ln_1, attn, proj, ln_2, mlp), (K, Vc) in zip(self.blocks, self.kv):
             qkv = attn(ln_1(x))  # (B, T, qd + 2 kvd)

@@ -45,7 +45,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_checkpoint, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap_model
+from .checkpoint import (
+    load_checkpoint, load_model, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap_model,
+)
 from .device import pick_device
 from .model import GPT, GPTConfig
 
@@ -503,8 +505,6 @@ class Trainer:
 
     def _load_teacher(self, cfg: TrainConfig) -> GPT:
         """The frozen teacher of a distillation run, checked against the data and the student."""
-        from .checkpoint import load_model
-
         try:
             teacher, _ = load_model(cfg.teacher, device=self.device)
         except (OSError, ValueError) as e:
