@@ -23,6 +23,7 @@ import torch
 
 import gptlab
 from gptlab.grading import (
+    DelegationError,
     ExerciseError,
     check_causal_attention_weights,
     check_causal_mask,
@@ -37,15 +38,20 @@ NINF = float("-inf")
 # --------------------------------------------------------------------------- check_causal_mask
 
 
+def test_the_reference_itself_is_delegation():
+    """Handing in gptlab's own function is not an answer: the task asks for it by hand."""
+    with pytest.raises(DelegationError, match="gptlab.causal_mask"):
+        check_causal_mask(gptlab.causal_mask)
+
+
 @pytest.mark.parametrize(
     "fn",
     [
-        gptlab.causal_mask,
         lambda T: torch.tril(torch.ones(T, T)).bool(),
         lambda T: torch.arange(T)[None, :] <= torch.arange(T)[:, None],
         lambda T: ~torch.ones(T, T, dtype=torch.bool).triu(1),
     ],
-    ids=["gptlab", "tril-bool", "arange", "not-strict-upper"],
+    ids=["tril-bool", "arange", "not-strict-upper"],
 )
 def test_correct_masks_pass(fn):
     check_causal_mask(fn)
@@ -120,17 +126,17 @@ def test_reference_weights_match_sdpa():
 
 def _weights_solution(scores):
     T = scores.shape[-1]
-    return torch.softmax(scores.masked_fill(~gptlab.causal_mask(T), NINF), dim=-1)
+    return torch.softmax(scores.masked_fill(~_tril(T), NINF), dim=-1)
 
 
 def _big_negative(scores):
     T = scores.shape[-1]
-    return torch.softmax(scores.masked_fill(~gptlab.causal_mask(T), -1e9), dim=-1)
+    return torch.softmax(scores.masked_fill(~_tril(T), -1e9), dim=-1)
 
 
 def _in_place(scores):
     T = scores.shape[-1]
-    return torch.softmax(scores.masked_fill_(~gptlab.causal_mask(T), NINF), dim=-1)
+    return torch.softmax(scores.masked_fill_(~_tril(T), NINF), dim=-1)
 
 
 @pytest.mark.parametrize("fn", [_weights_solution, _big_negative], ids=["-inf", "-1e9"])
@@ -139,7 +145,7 @@ def test_correct_weights_pass(fn):
 
 
 def _tril(T):
-    return gptlab.causal_mask(T)
+    return torch.ones(T, T, dtype=torch.bool).tril()
 
 
 WEIGHT_MISTAKES = {
@@ -229,9 +235,10 @@ def test_release_hides_the_solutions(course):
     nb = json.loads((course / "exercises" / "causal_mask" / "causal_mask.ipynb").read_text())
     text = "".join("".join(c["source"]) for c in nb["cells"])
     assert "BEGIN SOLUTION" not in text and ".tril()" not in text
-    assert text.count("raise NotImplementedError()") == 2
+    assert text.count("raise NotImplementedError()") == 4
+    assert "BEGIN HIDDEN TESTS" not in text and "sys.modules" not in text
     tests = [c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade")]
-    assert [c["metadata"]["nbgrader"]["points"] for c in tests] == [2, 2]
+    assert [c["metadata"]["nbgrader"]["points"] for c in tests] == [2, 2, 3, 3]
     assert all(c["metadata"]["nbgrader"]["locked"] for c in tests)
 
 
@@ -272,7 +279,7 @@ def test_autograde_round_trip(course):
     good = _solved(release, solution)
     upper = copy.deepcopy(good)
     for c in upper["cells"]:
-        if c["metadata"].get("nbgrader", {}).get("grade_id") == "causal_mask_solution":
+        if c["metadata"].get("nbgrader", {}).get("grade_id") == "solution_causal_mask":
             src = "".join(c["source"])
             assert ".tril()" in src
             c["source"] = src.replace(".tril()", ".triu()")
@@ -288,8 +295,10 @@ def test_autograde_round_trip(course):
             s: {g.name: g.score for g in gb.find_submission_notebook("causal_mask", "causal_mask", s).grades}
             for s in ("solution", "blank", "upper")
         }
-    assert scores["solution"] == {"test_causal_mask": 2.0, "test_attention_weights": 2.0}
-    assert scores["blank"] == {"test_causal_mask": 0.0, "test_attention_weights": 0.0}
+    assert scores["solution"] == {
+        "test_causal_mask": 2.0, "test_additive_mask": 2.0, "test_causal_attention_weights": 3.0, "test_combine_masks": 3.0
+    }
+    assert set(scores["blank"].values()) == {0.0}
     assert scores["upper"]["test_causal_mask"] == 0.0
 
     def outputs(student):
@@ -299,6 +308,6 @@ def test_autograde_round_trip(course):
     assert "causal_mask: correct" in outputs("solution")["test_causal_mask"]
     blank = outputs("blank")
     assert "ExerciseError" in blank["test_causal_mask"] and "not written yet" in blank["test_causal_mask"]
-    assert "not written yet" in blank["test_attention_weights"]
+    assert "not written yet" in blank["test_causal_attention_weights"]
     up = outputs("upper")["test_causal_mask"]
     assert "ExerciseError" in up and "you let tokens attend to the future" in up

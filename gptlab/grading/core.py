@@ -1,0 +1,424 @@
+"""The grading framework: run a learner's function, compare it with gptlab's, name the mistake.
+
+Where this sits: beside the pipeline (text -> tokens -> batches -> model -> logits -> loss or
+samples -> text). Every graded task of every assignment asks the learner to write one piece of that
+pipeline; its test cell calls a check (one module per assignment in :mod:`gptlab.grading`), and
+every check is built from the few tools here, so that all assignments fail the same way:
+
+* :func:`call` runs the learner's function. A ``NotImplementedError`` becomes "not written yet",
+  any other exception is shown with the input that raised it, and the entry points the task forbids
+  (gptlab's own reference, or the fused PyTorch op named in the task) are instrumented while it
+  runs: calling one raises :class:`DelegationError`, whatever name the learner imported it under.
+* :func:`expect_tensor` checks the type, shape, dtype, device and finiteness of what came back.
+* :func:`expect_close` compares it with the reference within a tolerance chosen per check (single
+  ops tight, composed blocks looser) and, when it differs, tries each known mistake of the check's
+  catalogue (the same input run through the buggy variant) to name the most likely one.
+* :func:`expect_distribution` checks a random function by the distribution of many seeded draws
+  (a chi-square test whose false-failure rate is stated, below 1e-6).
+
+Every failure is an :class:`ExerciseError`, an ``AssertionError``, so nbgrader scores the test
+cell 0; its message shows the input, what was expected, what came, and the likely mistake.
+
+Comparisons use PyTorch's own C functions, not the ``torch.*`` names a notebook could replace.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from types import CodeType, FunctionType, MethodType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._C import _VariableFunctions as _VF
+
+__all__ = [
+    "ExerciseError",
+    "DelegationError",
+    "Forbidden",
+    "forbid",
+    "call",
+    "expect_tensor",
+    "expect_close",
+    "expect_distribution",
+    "describe",
+    "show_tensor",
+    "require_function",
+    "same",
+]
+
+
+class ExerciseError(AssertionError):
+    """A learner's answer differs from the reference; the message says how and most likely why."""
+
+
+class DelegationError(ExerciseError):
+    """The learner's function called the reference (or the fused PyTorch op) it must replace."""
+
+
+# --------------------------------------------------------------------------- showing values
+
+
+def show_tensor(t: Tensor, decimals: int = 4, max_elems: int = 64) -> str:
+    """A short, readable text of ``t``: the values when small, else the shape and a few values."""
+    t = t.detach()
+    if t.device.type == "meta":
+        return f"<meta tensor of shape {tuple(t.shape)}>"
+    t = t.cpu()
+    if t.numel() <= max_elems:
+        body = t.round(decimals=decimals) if t.is_floating_point() else t
+        text = str(body.tolist()) if t.dim() == 0 else _matrix_text(body)
+        return text
+    flat = t.flatten()
+    head = flat[:6].round(decimals=decimals) if t.is_floating_point() else flat[:6]
+    return f"<tensor of shape {tuple(t.shape)}, dtype {t.dtype}; first values {head.tolist()} ...>"
+
+
+def _matrix_text(t: Tensor) -> str:
+    if t.dim() <= 1:
+        return str(t.tolist())
+    return "\n".join(str(row) for row in t.reshape(-1, t.shape[-1]).tolist())
+
+
+def describe(x: Any) -> str:
+    """One line describing an argument in a message: tensors by shape and dtype, the rest by repr."""
+    if isinstance(x, Tensor):
+        if x.numel() <= 8 and x.device.type != "meta":
+            return f"tensor({x.detach().cpu().tolist()})"
+        return f"<tensor of shape {tuple(x.shape)}, dtype {x.dtype}>"
+    if isinstance(x, torch.nn.Module):
+        return f"<{type(x).__name__} module>"
+    if isinstance(x, torch.Generator):
+        return "<torch.Generator>"
+    text = repr(x)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _indent(text: str, by: str = "      ") -> str:
+    return "\n".join(by + line for line in text.splitlines())
+
+
+def require_function(fn: object, name: str) -> None:
+    """Raise ``TypeError`` when a check is handed something that is not callable."""
+    if not callable(fn):
+        raise TypeError(f"the check for {name} expects a function (your {name}), got {type(fn).__name__}")
+
+
+# --------------------------------------------------------------------------- delegation
+
+
+@dataclass(frozen=True)
+class Forbidden:
+    """An entry point a task forbids, and the plain name a learner knows it by.
+
+    ``target`` is a Python function or method (recognised by its code's file, line and name, so a
+    fresh import of the same module, or an alias, is still recognised), a builtin (recognised by
+    identity, which aliases share), or a class (its ``forward`` and ``__init__``).
+    """
+
+    target: Any
+    name: str
+
+    def keys(self) -> set:
+        """The code keys and builtin ids that identify this entry point when it is called."""
+        out: set = set()
+        targets = [self.target]
+        if isinstance(self.target, type):
+            targets = [getattr(self.target, a, None) for a in ("forward", "__init__")]
+        for t in targets:
+            if t is None:
+                continue
+            if isinstance(t, MethodType):
+                t = t.__func__
+            code = getattr(t, "__code__", None)
+            if isinstance(code, CodeType):
+                out.add(_code_key(code))
+            else:
+                out.add(("builtin", id(t)))
+        return out
+
+
+def _code_key(code: CodeType) -> tuple:
+    return ("code", code.co_filename, code.co_firstlineno, code.co_name)
+
+
+@contextmanager
+def forbid(entries: Sequence[Forbidden], task: str):
+    """While active, calling any of ``entries`` raises :class:`DelegationError` naming it.
+
+    Uses the interpreter's profiling hook, so it sees every Python and builtin call made on this
+    thread, whatever name the learner imported the entry point under. A profiling function that
+    was already installed (a debugger, coverage) keeps receiving its events.
+    """
+    if not entries:
+        yield
+        return
+    index: dict = {}
+    for e in entries:
+        for k in e.keys():
+            index[k] = e
+    previous = sys.getprofile()
+    hit: list[Forbidden] = []
+
+    def profile(frame, event, arg):
+        if previous is not None:
+            previous(frame, event, arg)
+        if hit:
+            return
+        if event == "call":
+            e = index.get(_code_key(frame.f_code))
+        elif event == "c_call":
+            e = index.get(("builtin", id(arg)))
+        else:
+            return
+        if e is not None:
+            hit.append(e)
+            sys.setprofile(previous)
+            raise DelegationError(
+                f"{task} must be written by hand, but your code called {e.name}, which computes the "
+                f"answer for you. Build it from basic tensor operations instead."
+            )
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+# --------------------------------------------------------------------------- calling the learner
+
+
+def call(
+    fn: Callable,
+    name: str,
+    *args: Any,
+    forbidden: Sequence[Forbidden] = (),
+    check_inputs_unchanged: bool = True,
+    **kwargs: Any,
+) -> Any:
+    """Call the learner's ``fn(*args, **kwargs)`` and return what it returned.
+
+    Raises :class:`ExerciseError` with a clear message when it is not written yet
+    (``NotImplementedError``), raises anything else (shown with its input), changes a tensor
+    argument in place (when ``check_inputs_unchanged``), or calls a ``forbidden`` entry point
+    (:class:`DelegationError`).
+    """
+    before = {i: a.detach().clone() for i, a in enumerate(args) if isinstance(a, Tensor) and a.device.type != "meta"}
+    arg_text = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
+    try:
+        with forbid(forbidden, name):
+            out = fn(*args, **kwargs)
+    except DelegationError:
+        raise
+    except NotImplementedError:
+        raise ExerciseError(
+            f"{name} is not written yet: it raised NotImplementedError. Replace the line "
+            "`raise NotImplementedError()` with your code."
+        ) from None
+    except ExerciseError:
+        raise
+    except Exception as e:  # the learner's code crashed: show what and where
+        raise ExerciseError(f"{name}({arg_text}) raised {type(e).__name__}: {e}") from e
+    if check_inputs_unchanged:
+        for i, old in before.items():
+            new = args[i].detach()
+            if new.shape != old.shape or new.dtype != old.dtype or not _same_nan(new, old):
+                raise ExerciseError(
+                    f"{name} changed its input (argument {i + 1}, {describe(old)}) in place, e.g. with an "
+                    "underscore method such as masked_fill_ or an assignment into it. Work on a new tensor "
+                    "so that the caller's data is untouched."
+                )
+    return out
+
+
+def same(a: Tensor, b: Tensor) -> bool:
+    """Exact equality of two tensors (shape, dtype and values), with PyTorch's own C function."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool(_VF.equal(a, b))
+
+
+def _same_nan(a: Tensor, b: Tensor) -> bool:
+    if not a.is_floating_point():
+        return bool(_VF.equal(a, b))
+    both = torch.isnan(a) & torch.isnan(b)
+    return bool(_VF.equal(a.masked_fill(both, 0), b.masked_fill(both, 0)))
+
+
+# --------------------------------------------------------------------------- checking what came back
+
+
+def expect_tensor(
+    got: Any,
+    what: str,
+    shape: Sequence[int] | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    finite: bool = False,
+    hint_shape: str = "",
+) -> Tensor:
+    """Check that ``got`` is a tensor of the expected shape, dtype and device; return it detached.
+
+    ``what`` names the value in messages (e.g. ``"causal_mask(4)"``). ``dtype`` may be a dtype, or
+    ``"float"`` for any floating dtype. ``finite`` rejects NaN (and infinities) with a message that
+    says where the first one is.
+    """
+    if not isinstance(got, Tensor):
+        extra = " (did you forget a return statement?)" if got is None else ""
+        raise ExerciseError(f"{what} should return a torch.Tensor, got {type(got).__name__}{extra}.")
+    if device is not None and got.device != torch.device(device) and not (
+        torch.device(device).type == got.device.type and torch.device(device).index is None
+    ):
+        raise ExerciseError(
+            f"{what} returned a tensor on the device {got.device}, expected {torch.device(device)}: create new "
+            "tensors on the input's device (e.g. device=x.device) instead of the default one."
+        )
+    if shape is not None and tuple(got.shape) != tuple(shape):
+        raise ExerciseError(
+            f"{what} should have shape {tuple(shape)}, got {tuple(got.shape)}." + (f" {hint_shape}" if hint_shape else "")
+        )
+    if dtype == "float":
+        if not got.is_floating_point():
+            raise ExerciseError(f"{what} should be a floating-point tensor, got dtype {got.dtype}.")
+    elif dtype is not None and got.dtype != dtype:
+        raise ExerciseError(f"{what} should have dtype {dtype}, got {got.dtype}.")
+    got = got.detach()
+    if finite and got.is_floating_point() and got.device.type != "meta":
+        bad = ~torch.isfinite(got)
+        if bad.any():
+            where = tuple(int(v) for v in bad.nonzero()[0])
+            raise ExerciseError(
+                f"{what} contains {got[where].item()} at index {where}: the result must be finite. NaN usually "
+                "comes from exp overflowing (subtract the maximum first), 0/0, or log(0)."
+            )
+    return got
+
+
+Candidate = tuple[str, Callable[[], Any]]
+"""A known mistake: its diagnosis, and a thunk computing what that mistake returns on this input."""
+
+
+def _close(a: Tensor, b: Any, atol: float, rtol: float) -> bool:
+    if not isinstance(b, Tensor):
+        try:
+            b = torch.as_tensor(b)
+        except Exception:
+            return False
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dtype == torch.bool or b.dtype == torch.bool:
+        return a.dtype == b.dtype and bool(_VF.equal(a, b))
+    a, b = a.double(), b.double()
+    return bool(_VF.allclose(a, b, rtol, atol, True))
+
+
+def expect_close(
+    got: Tensor,
+    want: Tensor,
+    what: str,
+    inputs: str,
+    atol: float,
+    rtol: float,
+    mistakes: Iterable[Candidate] = (),
+    diagnose: Callable[[Tensor], str | None] | None = None,
+    show: Callable[[Tensor], str] = show_tensor,
+) -> None:
+    """Pass if ``got`` equals ``want`` within ``atol + rtol * |want|``; otherwise name the mistake.
+
+    ``mistakes`` are tried in order: the first whose output on the same input equals ``got`` (same
+    tolerance) names the mistake; a mistake whose thunk raises is skipped. ``diagnose`` is asked
+    next, for mistakes that are recognised by a property rather than an output. The message shows
+    ``inputs``, the expected and the obtained values, and the largest difference.
+    """
+    if _close(got, want, atol, rtol):
+        return
+    reason = None
+    for text, thunk in mistakes:
+        try:
+            candidate = thunk()
+        except Exception:
+            continue
+        if _close(got, candidate, atol, rtol):
+            reason = text
+            break
+    if reason is None and diagnose is not None:
+        reason = diagnose(got)
+    lines = [f"{what} is wrong."]
+    lines.append("  Most likely mistake: " + (reason or "none of the usual ones; compare your steps with the formula above."))
+    lines.append(f"  input: {inputs}")
+    lines.append("  expected:\n" + _indent(show(want)))
+    lines.append("  got:\n" + _indent(show(got)))
+    if got.is_floating_point() and want.is_floating_point() and got.shape == want.shape:
+        diff = (got.double().cpu() - want.double().cpu()).abs().nan_to_num(nan=math.inf)
+        idx = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+        lines.append(
+            f"  largest difference: {diff.max().item():.3g} at index {idx} "
+            f"(allowed: {atol:g} + {rtol:g} x |expected|)"
+        )
+    raise ExerciseError("\n".join(lines))
+
+
+# --------------------------------------------------------------------------- random functions
+
+# Critical value chosen so that a correct sampler fails with probability below this.
+FALSE_FAILURE_RATE = 1e-7
+
+
+def expect_distribution(
+    counts: Tensor,
+    probs: Tensor,
+    what: str,
+    mistakes: Iterable[tuple[str, Tensor]] = (),
+) -> None:
+    """Check that ``counts`` (V,) of draws are distributed as ``probs`` (V,) (a chi-square test).
+
+    A correct sampler fails with probability below :data:`FALSE_FAILURE_RATE` (1e-7). Categories
+    with probability 0 must never be drawn (drawing one fails at once). ``mistakes`` are (diagnosis,
+    probabilities) pairs; the one with the highest likelihood of the counts names the mistake.
+    """
+    from scipy.stats import chi2  # scipy is a test dependency; imported only where a sampler is checked
+
+    counts = counts.detach().double().cpu()
+    probs = probs.detach().double().cpu()
+    n = counts.sum().item()
+    impossible = (probs == 0) & (counts > 0)
+    stat, dof, p_value = math.inf, 0, 0.0
+    if not impossible.any():
+        keep = probs > 0
+        expected = probs[keep] * n
+        stat = (((counts[keep] - expected) ** 2) / expected).sum().item()
+        dof = int(keep.sum().item()) - 1
+        p_value = float(chi2.sf(stat, dof)) if dof > 0 else 1.0
+        if p_value >= FALSE_FAILURE_RATE:
+            return
+    best, best_ll = None, -math.inf
+    for text, alt in mistakes:
+        alt = alt.double().cpu()
+        if ((alt == 0) & (counts > 0)).any():
+            continue
+        ll = (counts * torch.log(alt.clamp_min(1e-300))).sum().item()
+        if ll > best_ll:
+            best, best_ll = text, ll
+    freq = counts / max(n, 1)
+    top = torch.argsort(probs, descending=True)[:8].tolist()
+    table = "\n".join(f"      token {i}: expected {probs[i].item():.3f}, got {freq[i].item():.3f}" for i in top)
+    if impossible.any():
+        i = int(impossible.nonzero()[0])
+        head = f"{what} drew token {i}, whose probability is 0 (it must never be drawn)."
+    else:
+        head = (
+            f"{what} draws tokens with the wrong frequencies: over {int(n)} seeded draws a chi-square test "
+            f"gives p = {p_value:.2g} (a correct sampler fails with probability below {FALSE_FAILURE_RATE:g})."
+        )
+    raise ExerciseError(
+        head + "\n  Most likely mistake: " + (best or "none of the usual ones.") + "\n  frequencies (most likely tokens first):\n" + table
+    )
+
+
+def is_function(x: object) -> bool:
+    """True for a plain Python function (what a notebook's ``def`` makes)."""
+    return isinstance(x, FunctionType)
