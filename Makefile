@@ -30,7 +30,7 @@ ifneq ($(wildcard ../shared/data),)
 export GPTLAB_SEED_DIR ?= $(abspath ../shared/data)
 endif
 
-.PHONY: help setup data book test test-fast exercises clean
+.PHONY: help setup chromium data book test test-fast exercises clean
 
 help:
 	@echo "make book       set up .venv, fetch the data, build the book into _build/html"
@@ -39,7 +39,7 @@ help:
 	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader generate_assignment)"
 	@echo "make clean      remove the built book and the set-up stamp"
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "==> creating $(VENV) and installing gptlab with its dev extras"
@@ -49,6 +49,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip check
 	$(PY) -c 'import gptlab, torch; print(f"gptlab {gptlab.__version__}, torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'
 	touch $@
+
+# Headless Chromium and its driver, for the browser test of the built book (tests/test_browser.py):
+# the Debian packages, installed when apt-get is there and we are root or may sudo without a
+# password. Anywhere else this only says how to install them, and the browser test is skipped.
+chromium:
+	if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "==> NOTE: no Chromium; install chromium and its chromedriver (/usr/bin/chromium, /usr/bin/chromedriver) to run the browser test"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else \
+	  echo "==> NOTE: no Chromium; run: sudo apt-get install chromium chromium-driver (the browser test is skipped until then)"; exit 0; fi; \
+	echo "==> installing the Debian packages chromium chromium-driver (for the browser test)"; \
+	if ! { $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium chromium-driver; }; then \
+	  echo "==> NOTE: could not install chromium chromium-driver; the browser test will be skipped"; fi
 
 data: $(STAMP)
 	@echo "==> fetching and verifying the data (seed: $${GPTLAB_SEED_DIR:-none})"
@@ -60,7 +73,7 @@ book: $(STAMP) data
 	test -f _build/html/index.html
 	@echo "==> open _build/html/index.html"
 
-test: $(STAMP) data
+test: $(STAMP) data chromium
 	@echo "==> running the test suite"
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(PYTEST_ARGS)
 
