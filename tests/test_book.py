@@ -285,3 +285,31 @@ def test_notebook_outputs_match_the_build(book: BookBuild, notebook: Path):
             f"If the new output is right, store it: {refresh}\n"
             f"(a cell whose output depends on the machine gets the tag nbval-ignore-output)"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# publishing
+
+
+def test_pages_workflow_builds_with_make_book_and_deploys_the_html():
+    """.github/workflows/book.yml: on a push to main, `make book`, then _build/html to GitHub Pages."""
+    workflow = yaml.safe_load((REPO / ".github" / "workflows" / "book.yml").read_text())
+    on = workflow.get("on", workflow.get(True))  # YAML 1.1 reads the key `on` as True
+    assert on["push"]["branches"] == ["main"], on
+    assert workflow["permissions"]["pages"] == "write" and workflow["permissions"]["id-token"] == "write"
+    build, deploy = workflow["jobs"]["build"], workflow["jobs"]["deploy"]
+    uses = [step.get("uses", "").split("@")[0] for step in build["steps"]]
+    assert uses[:2] == ["actions/checkout", "actions/setup-python"], uses
+    runs = [step["run"].strip() for step in build["steps"] if "run" in step]
+    assert runs == ["make book"], f"the workflow must build with `make book` (the same build as a reader's), runs {runs}"
+    upload = next(s for s in build["steps"] if s.get("uses", "").startswith("actions/upload-pages-artifact@"))
+    assert upload["with"]["path"] == "_build/html"
+    order = [s.get("uses", "") or s.get("run", "") for s in build["steps"]]
+    assert order.index("make book") < order.index(upload["uses"]), "upload after the build"
+    assert deploy["needs"] in ("build", ["build"])
+    assert deploy["environment"]["name"] == "github-pages"
+    assert [s["uses"].split("@")[0] for s in deploy["steps"]] == ["actions/deploy-pages"]
+    for job in (build, deploy):
+        for step in job["steps"]:
+            if "uses" in step:
+                assert re.fullmatch(r"actions/[a-z-]+@v\d+", step["uses"]), f"only official actions, pinned to a major version: {step['uses']}"
