@@ -16,6 +16,7 @@ _COMMANDS = [
     ("gptlab.train", "train"),
     ("gptlab.generation", "sample"),
     ("gptlab.bench", "bench"),
+    ("gptlab.course", "course"),
 ]
 
 

@@ -1,0 +1,496 @@
+"""``course autograde``: students graded in parallel workers, one consistent SQLite gradebook.
+
+How it works, for each assignment:
+
+1. The main gradebook gets the assignment (nbgrader ``generate_assignment`` into a scratch
+   release folder, if it is not there yet), then a read-only snapshot of it is taken.
+2. Each student is one job for a pool of ``--workers`` processes. A job works in its own scratch
+   folder, on its own copy of the snapshot gradebook, so no two processes ever write the same
+   SQLite file:
+
+   * *check*: each submitted notebook is read; one that is not valid JSON or not a notebook is
+     left out (nbgrader then gives it 0) and noted. Locked cells (the test cells) that were
+     deleted are put back from the gradebook, edited ones are noted (nbgrader runs the released
+     version, hidden tests included), nbgrader metadata the learner changed is restored, and the
+     ``gptlab`` time-limit metadata is taken from the instructor's notebook.
+   * *grade*: nbgrader's ``Autograde`` runs each notebook (``GptlabExecute``: per-cell time
+     limits, kernel restarts), writing ``autograded/<student>/<assignment>/``.
+   * *report*: the scores are read back from the job's gradebook, and the timeouts and kernel
+     deaths found in the autograded notebook become notes.
+
+3. The main process alone writes each job's scores into the main gradebook (one grade per test
+   cell), and the notes to ``autograded/.gptlab/<assignment>/<student>.json``; ``feedback`` puts
+   them in the student's HTML. A job that fails as a whole gives that student 0 and a note.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import multiprocessing
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ._common import Course, CourseError, atomic_write, run_converter
+
+__all__ = ["autograde", "check_notebook", "grade_student"]
+
+
+# --------------------------------------------------------------------------- the reference cells
+
+
+def _reference(gb, assignment: str, notebook: str) -> dict:
+    """What the gradebook knows of a notebook's nbgrader cells, in the source notebook's order."""
+    nb = gb.find_notebook(notebook, assignment)
+    grade_cells = {c.name: c for c in nb.grade_cells}
+    solution = {c.name for c in nb.solution_cells}
+    cells = {}
+    for c in nb.source_cells:
+        cells[c.name] = {
+            "name": c.name,
+            "cell_type": c.cell_type,
+            "source": c.source,
+            "checksum": c.checksum,
+            "locked": bool(c.locked),
+            "grade": c.name in grade_cells,
+            "solution": c.name in solution,
+            "points": float(grade_cells[c.name].max_score) if c.name in grade_cells else None,
+        }
+    return cells
+
+
+def _source_order_and_meta(course: Course, assignment: str, notebook: str) -> tuple[list[str], dict]:
+    """grade_ids in the instructor's notebook order, and each one's ``gptlab`` cell metadata."""
+    import nbformat
+
+    path = course.directory("source") / assignment / f"{notebook}.ipynb"
+    order, meta = [], {}
+    if path.is_file():
+        nb = nbformat.read(path, as_version=4)
+        for cell in nb.cells:
+            gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+            if gid:
+                order.append(gid)
+                if "gptlab" in cell.metadata:
+                    meta[gid] = json.loads(json.dumps(cell.metadata["gptlab"]))
+    return order, meta
+
+
+def _released_text(source: str) -> str:
+    """A locked cell's source as the learners received it: the hidden tests removed."""
+    from nbformat.notebooknode import NotebookNode
+    from nbgrader.preprocessors import ClearHiddenTests
+
+    cell = NotebookNode(cell_type="code", source=source, metadata=NotebookNode())
+    ClearHiddenTests()._remove_hidden_test_region(cell)
+    return cell.source
+
+
+def _norm(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: dict, notebook: str) -> tuple[object, list[dict]]:
+    """Read a submitted notebook and repair what nbgrader cannot: returns (notebook or None, notes).
+
+    ``None`` means the file is not a readable notebook (then nbgrader grades it as missing: 0).
+    """
+    import nbformat
+    from nbformat.notebooknode import NotebookNode
+
+    notes: list[dict] = []
+
+    def note(kind: str, message: str, cell: str | None = None) -> None:
+        notes.append({"notebook": notebook, "cell": cell, "kind": kind, "message": message})
+
+    try:
+        text = path.read_bytes().decode("utf-8")
+        json.loads(text)
+        nb = nbformat.reads(text, as_version=4)
+        nbformat.validate(nb)
+    except UnicodeDecodeError as e:
+        note("malformed", f"{notebook}.ipynb is not UTF-8 text (byte {e.start}), so it could not be graded: "
+                          "every test in it scored 0.")
+        return None, notes
+    except json.JSONDecodeError as e:
+        note("malformed", f"{notebook}.ipynb is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}), "
+                          "so it could not be graded: every test in it scored 0.")
+        return None, notes
+    except Exception as e:  # noqa: BLE001 (nbformat raises several kinds)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        note("malformed", f"{notebook}.ipynb is not a valid Jupyter notebook ({first[:200]}), so it could not "
+                          "be graded: every test in it scored 0.")
+        return None, notes
+
+    seen: dict[str, int] = {}
+    for i, cell in enumerate(nb.cells):
+        cell.metadata.pop("gptlab", None)  # time limits come from the instructor's notebook only
+        meta = cell.metadata.get("nbgrader")
+        if not isinstance(meta, dict):
+            cell.metadata.pop("nbgrader", None)
+            continue
+        gid = meta.get("grade_id")
+        if gid not in reference or gid in seen:
+            # unknown or duplicated id: the cell becomes an ordinary cell
+            cell.metadata.pop("nbgrader", None)
+            if gid in seen and reference.get(gid, {}).get("locked"):
+                note("duplicate", f"a copy of the cell {gid} was found and run as an ordinary cell.", gid)
+            continue
+        seen[gid] = i
+        ref = reference[gid]
+        if cell.cell_type != ref["cell_type"]:
+            note("edited", f"the cell {gid} had been changed to a {cell.cell_type} cell; it was run as the "
+                           f"{ref['cell_type']} cell it is.", gid)
+        fixed = {"grade": ref["grade"], "solution": ref["solution"], "locked": ref["locked"], "grade_id": gid,
+                 "schema_version": 3, "task": False}
+        if ref["points"] is not None:
+            fixed["points"] = ref["points"]
+        changed = any(meta.get(k) != v for k, v in fixed.items() if k not in ("schema_version", "task"))
+        cell.metadata["nbgrader"] = {**meta, **fixed}
+        if changed and ref["locked"]:
+            note("edited", f"the nbgrader settings of the cell {gid} had been changed; they were restored.", gid)
+        if ref["locked"] and _norm(cell.source) != _norm(_released_text(ref["source"])):
+            kind = "test cell" if ref["grade"] else "read-only cell"
+            note("edited", f"the {kind} {gid} had been edited; the released version was run instead.", gid)
+        if gid in gptlab_meta:
+            cell.metadata["gptlab"] = gptlab_meta[gid]
+
+    # put back the locked cells that are missing
+    ids = order or list(reference)
+    for k, gid in enumerate(ids):
+        ref = reference.get(gid)
+        if ref is None:
+            continue
+        present = any(c.metadata.get("nbgrader", {}).get("grade_id") == gid for c in nb.cells)
+        if present:
+            continue
+        if not ref["locked"]:
+            if ref["solution"]:
+                note("missing", f"the answer cell {gid} was not in the notebook; the tests that need it scored 0.", gid)
+            continue
+        md = {"nbgrader": {"grade": ref["grade"], "grade_id": gid, "locked": True, "schema_version": 3,
+                           "solution": ref["solution"], "task": False, "checksum": ref["checksum"]},
+              "deletable": False, "editable": False}
+        if ref["points"] is not None:
+            md["nbgrader"]["points"] = ref["points"]
+        if gid in gptlab_meta:
+            md["gptlab"] = gptlab_meta[gid]
+        if ref["cell_type"] == "code":
+            new = nbformat.v4.new_code_cell(source=ref["source"], metadata=md)
+        else:
+            new = nbformat.v4.new_markdown_cell(source=ref["source"], metadata=md)
+        def where(gid_):
+            return next((j for j, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade_id") == gid_),
+                        None)
+
+        # just before the next cell of the source that is there (after the task's other cells),
+        # else just after the previous one, else at the end
+        nxt = [j for j in (where(g) for g in ids[k + 1:]) if j is not None]
+        prv = [j for j in (where(g) for g in ids[:k]) if j is not None]
+        pos = nxt[0] if nxt else (prv[-1] + 1 if prv else len(nb.cells))
+        nb.cells.insert(pos, new)
+        kind = "test cell" if ref["grade"] else "read-only cell"
+        note("deleted", f"the {kind} {gid} was missing from the notebook; it was put back and run.", gid)
+    for cell in nb.cells:  # nbformat 4.5 cell ids, unique
+        cell.pop("id", None)
+    nb.nbformat_minor = 4
+    return nb, notes
+
+
+# --------------------------------------------------------------------------- one student (worker)
+
+
+def _cell_label(cell) -> str:
+    gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+    if gid:
+        return gid
+    first = next((line for line in cell.source.splitlines() if line.strip()), "")
+    return f"the cell starting `{first[:60]}`"
+
+
+def _events(autograded_nb: Path, notebook: str) -> list[dict]:
+    """Notes for the cells the runner had to stop: timeouts, kernel deaths, cells not run."""
+    import nbformat
+
+    notes = []
+    nb = nbformat.read(autograded_nb, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        for out in cell.get("outputs", []):
+            if out.get("output_type") != "error":
+                continue
+            ename = out.get("ename")
+            if ename in ("CellTimeoutError", "DeadKernelError", "NotRun"):
+                kind = {"CellTimeoutError": "timeout", "DeadKernelError": "kernel_died", "NotRun": "not_run"}[ename]
+                notes.append({"notebook": notebook, "cell": cell.metadata.get("nbgrader", {}).get("grade_id"),
+                              "kind": kind, "message": f"{_cell_label(cell)}: {out.get('evalue', '')}"})
+                break
+    return notes
+
+
+def _cell_times(autograded_nb: Path) -> dict[str, float]:
+    """grade_id -> seconds the cell ran, from nbclient's recorded timing (test and solution cells)."""
+    from datetime import datetime
+
+    import nbformat
+
+    times = {}
+    nb = nbformat.read(autograded_nb, as_version=4)
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        ex = cell.metadata.get("execution", {})
+        if gid and "iopub.execute_input" in ex and "shell.execute_reply" in ex:
+            t0 = datetime.fromisoformat(ex["iopub.execute_input"].replace("Z", "+00:00"))
+            t1 = datetime.fromisoformat(ex["shell.execute_reply"].replace("Z", "+00:00"))
+            times[gid] = (t1 - t0).total_seconds()
+    return times
+
+
+def _quiet_sqlalchemy() -> None:
+    """nbgrader 0.9's gradebook code makes SQLAlchemy 2 warn that cascaded objects are "not in
+    session" when a submission is created; the rows are written all the same (the tests count them)."""
+    import warnings
+
+    from sqlalchemy.exc import SAWarning
+
+    warnings.filterwarnings("ignore", category=SAWarning)
+
+
+def grade_student(job: dict) -> dict:
+    """Autograde one student's submission of one assignment (runs in a worker process).
+
+    ``job``: course root, db_url of the main gradebook (for the config), snapshot path, scratch
+    folder, assignment, student, per-cell timeout or None. Returns the scores read back from the
+    job's own gradebook, notes, per-cell times and the log of any failure.
+    """
+    from nbgrader.api import Gradebook
+    from nbgrader.converters import Autograde
+    from nbgrader.coursedir import CourseDirectory
+
+    _quiet_sqlalchemy()
+    t0 = time.perf_counter()
+    course = Course(job["root"], job["db_url"])
+    assignment, student = job["assignment"], job["student"]
+    scratch = Path(tempfile.mkdtemp(prefix=f"{student}-", dir=job["scratch"]))
+    db = scratch / "gradebook.db"
+    shutil.copyfile(job["snapshot"], db)
+    db_url = f"sqlite:///{db}"
+    submitted = course.directory("submitted") / student / assignment
+    staged = scratch / "submitted" / student / assignment
+    shutil.copytree(submitted, staged, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    autograded = course.directory("autograded") / student / assignment
+    if autograded.exists():
+        shutil.rmtree(autograded)
+
+    notes: list[dict] = []
+    result = {"assignment": assignment, "student": student, "notebooks": {}, "notes": notes, "times": {},
+              "failed": [], "log": ""}
+    import nbformat
+
+    with Gradebook(db_url) as gb:
+        notebooks = [nb.name for nb in gb.find_assignment(assignment).notebooks]
+        references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
+    for nb_name in notebooks:
+        path = staged / f"{nb_name}.ipynb"
+        if not path.is_file():
+            notes.append({"notebook": nb_name, "cell": None, "kind": "missing",
+                          "message": f"{nb_name}.ipynb was not submitted: every test in it scored 0."})
+            result["failed"].append(nb_name)
+            continue
+        order, meta = _source_order_and_meta(course, assignment, nb_name)
+        nb, found = check_notebook(path, references[nb_name], order, meta, nb_name)
+        notes.extend(found)
+        if nb is None:
+            path.unlink()
+            result["failed"].append(nb_name)
+            continue
+        nbformat.write(nb, path)
+
+    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted")}
+    if job.get("timeout"):
+        overrides["Execute.timeout"] = int(job["timeout"])
+    cfg = course.config(**overrides)
+    for nb_name in notebooks:
+        if nb_name in result["failed"]:
+            continue
+        coursedir = CourseDirectory(config=cfg)
+        coursedir.assignment_id, coursedir.student_id, coursedir.notebook_id = assignment, student, nb_name
+        ok, log = run_converter(Autograde, coursedir, cfg, force=True, create_student=True)
+        out = autograded / f"{nb_name}.ipynb"
+        if not ok or not out.is_file():
+            last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["unknown error"]
+            notes.append({"notebook": nb_name, "cell": None, "kind": "grader_error",
+                          "message": f"the autograder could not run {nb_name}.ipynb ({last[0][:300]}): every test "
+                                     "in it scored 0."})
+            result["failed"].append(nb_name)
+            result["log"] += log[-4000:]
+            continue
+        notes.extend(_events(out, nb_name))
+        result["times"][nb_name] = _cell_times(out)
+
+    with Gradebook(db_url) as gb:
+        try:
+            sub = gb.find_submission(assignment, student)
+        except Exception:  # noqa: BLE001 (MissingEntry: nothing could be graded)
+            sub = None
+        if sub is not None:
+            result["timestamp"] = sub.timestamp.isoformat() if sub.timestamp else None
+            for snb in sub.notebooks:
+                if snb.name in result["failed"]:
+                    continue
+                result["notebooks"][snb.name] = {
+                    "grades": {g.name: g.auto_score for g in snb.grades},
+                    "comments": {c.name: c.auto_comment for c in snb.comments},
+                    "late_penalty": snb.late_submission_penalty,
+                }
+    result["seconds"] = time.perf_counter() - t0
+    shutil.rmtree(scratch, ignore_errors=True)
+    return result
+
+
+# --------------------------------------------------------------------------- the main process
+
+
+def _ensure_assignment(course: Course, assignment: str) -> None:
+    """Put the assignment in the main gradebook (nbgrader generate_assignment into a scratch folder)."""
+    from nbgrader.api import Gradebook, MissingEntry
+    from nbgrader.converters import GenerateAssignment
+    from nbgrader.coursedir import CourseDirectory
+
+    url = course.gradebook_url
+    with Gradebook(url) as gb:
+        try:
+            a = gb.find_assignment(assignment)
+            if a.notebooks:
+                return
+        except MissingEntry:
+            pass
+    with tempfile.TemporaryDirectory(prefix="gptlab-release-") as tmp:
+        cfg = course.config(**{"CourseDirectory.release_directory": tmp})
+        coursedir = CourseDirectory(config=cfg)
+        coursedir.assignment_id = assignment
+        ok, log = run_converter(GenerateAssignment, coursedir, cfg, force=True, create_assignment=True)
+    if not ok:
+        raise CourseError(f"nbgrader generate_assignment {assignment} failed:\n{log[-3000:]}")
+
+
+def _merge(gb, result: dict) -> float:
+    """Write one job's scores into the main gradebook (this process only). Returns the total."""
+    from datetime import datetime
+
+    assignment, student = result["assignment"], result["student"]
+    gb.update_or_create_student(student)
+    kwargs = {}
+    if result.get("timestamp"):
+        kwargs["timestamp"] = datetime.fromisoformat(result["timestamp"])
+    sub = gb.update_or_create_submission(assignment, student, **kwargs)
+    total = 0.0
+    for snb in sub.notebooks:
+        got = result["notebooks"].get(snb.name)
+        for grade in snb.grades:
+            auto = got["grades"].get(grade.name) if got else 0.0
+            grade.auto_score = auto if auto is not None else (0.0 if not got else None)
+            grade.needs_manual_grade = grade.manual_score is not None or grade.auto_score is None
+        for comment in snb.comments:
+            comment.auto_comment = got["comments"].get(comment.name) if got else None
+        snb.late_submission_penalty = got["late_penalty"] if got else None
+    gb.db.commit()
+    for snb in sub.notebooks:
+        total += sum(g.score or 0.0 for g in snb.grades)
+    return total
+
+
+def submitted_students(course: Course, assignment: str) -> list[str]:
+    folder = course.directory("submitted")
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if (p / assignment).is_dir() and not p.name.startswith("."))
+
+
+def autograde(course: Course, assignments: list[str], students: list[str] | None = None, workers: int = 1,
+              timeout: int | None = None, progress: bool = True) -> list[dict]:
+    """Autograde every (or the named) student's submission of each assignment; see the module doc.
+
+    Returns one result per (assignment, student): scores, notes, cell times, total.
+    """
+    from nbgrader.api import Gradebook
+    from tqdm.auto import tqdm
+
+    _quiet_sqlalchemy()
+    if workers < 1:
+        raise CourseError(f"--workers must be at least 1, got {workers}")
+    results = []
+    for assignment in assignments:
+        who = submitted_students(course, assignment)
+        if students:
+            missing = [s for s in students if s not in who]
+            if missing:
+                print(f"{assignment}: no submission from {', '.join(missing)}", file=sys.stderr)
+            who = [s for s in who if s in students]
+        if not who:
+            print(f"{assignment}: nothing submitted in {course.directory('submitted')}/*/{assignment}", file=sys.stderr)
+            continue
+        _ensure_assignment(course, assignment)
+        with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch:
+            snapshot = Path(scratch) / "snapshot.db"
+            shutil.copyfile(course.gradebook_url[len("sqlite:///"):], snapshot)
+            jobs = [{"root": str(course.root), "db_url": course.db_url, "snapshot": str(snapshot), "scratch": scratch,
+                     "assignment": assignment, "student": s, "timeout": timeout} for s in who]
+            bar = tqdm(total=len(jobs), desc=f"autograde {assignment}", unit="student", disable=not progress or None)
+            with Gradebook(course.gradebook_url) as gb:
+                for res in _run_jobs(jobs, workers):
+                    res["total"] = _merge(gb, res)
+                    atomic_write(course.notes_path(assignment, res["student"]), json.dumps(res["notes"], indent=1))
+                    results.append(res)
+                    bar.set_postfix_str(f"{res['student']}: {res['total']:g}")
+                    bar.update()
+            bar.close()
+    return results
+
+
+def _failed_job(job: dict, why: str) -> dict:
+    return {"assignment": job["assignment"], "student": job["student"], "notebooks": {}, "failed": ["*"],
+            "times": {}, "log": why, "seconds": 0.0,
+            "notes": [{"notebook": None, "cell": None, "kind": "grader_error",
+                       "message": f"the autograder itself failed on this submission ({why}): it scored 0."}]}
+
+
+def _run_jobs(jobs: list[dict], workers: int):
+    """Yield each job's result as it finishes. A worker process that dies costs its job only."""
+    if workers == 1:
+        for job in jobs:
+            try:
+                yield grade_student(job)
+            except Exception as e:  # noqa: BLE001 (one student must not stop the run)
+                yield _failed_job(job, f"{type(e).__name__}: {e}")
+        return
+    pending = list(jobs)
+    retried = set()
+    while pending:
+        ctx = multiprocessing.get_context("spawn")
+        broken = []
+        with cf.ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx) as pool:
+            futures = {pool.submit(grade_student, job): job for job in pending}
+            for fut in cf.as_completed(futures):
+                job = futures[fut]
+                try:
+                    yield fut.result()
+                except cf.process.BrokenProcessPool:
+                    broken.append(job)
+                except Exception as e:  # noqa: BLE001
+                    yield _failed_job(job, f"{type(e).__name__}: {e}")
+        pending = []
+        for job in broken:  # a worker died: retry its jobs once, one at a time
+            key = (job["assignment"], job["student"])
+            if key in retried:
+                yield _failed_job(job, "the grading process died")
+            else:
+                retried.add(key)
+                pending.append(job)
+        if pending:
+            workers = 1
+
