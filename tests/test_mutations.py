@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import nbexec
-from mistakes import assignments_with_catalogues, catalogue
+from mistakes import assignments_with_catalogues, catalogue, no_delegation
 
 REPO = Path(__file__).resolve().parent.parent
 ASSIGNMENTS = sorted(p.name for p in (REPO / "solutions").iterdir() if p.is_dir())
@@ -57,7 +57,8 @@ def test_catalogue_covers_every_task(name):
     for task in tasks:
         mine = [m for m in entries if m.task == task]
         assert len([m for m in mine if not m.delegation]) >= 3, f"{name}.{task}: fewer than 3 catalogued mistakes"
-        assert any(m.delegation for m in mine), f"{name}.{task}: no delegation entry"
+        if task not in no_delegation(name):
+            assert any(m.delegation for m in mine), f"{name}.{task}: no delegation entry (or a reason in NO_DELEGATION)"
     assert {m.task for m in entries} <= set(tasks), "catalogue entries for tasks the notebook does not have"
     assert len({(m.task, m.name) for m in entries}) == len(entries), "duplicate mistake names"
 

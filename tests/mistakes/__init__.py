@@ -39,6 +39,12 @@ def catalogue(assignment: str) -> list[Mistake]:
     return list(importlib.import_module(f"{__name__}.{assignment}").MISTAKES)
 
 
+def no_delegation(assignment: str) -> dict[str, str]:
+    """Tasks of ``assignment`` with nothing to delegate to, each with the reason (a module's
+    optional ``NO_DELEGATION``); every other task needs a delegation entry."""
+    return dict(getattr(importlib.import_module(f"{__name__}.{assignment}"), "NO_DELEGATION", {}))
+
+
 def assignments_with_catalogues() -> list[str]:
     """Names of the assignments that have a catalogue module here."""
     here = Path(__file__).parent
