@@ -280,7 +280,7 @@ def test_toc_button_opens_the_sidebar_on_a_phone(site: str, driver: webdriver.Ch
     visible = [a for a in driver.find_elements(By.CSS_SELECTOR, ".bd-docs-nav a") if a.is_displayed()]
     rect = visible[0].rect
     assert 0 <= rect["x"] < WIDTHS["phone"][0] and 0 <= rect["y"] < WIDTHS["phone"][1], rect
-    _screenshot(driver, screenshots / "phone-toc-open.png")
+    driver.save_screenshot(str(screenshots / "phone-toc-open.png"))  # the screen, with the sidebar over the page
     # a link in the opened sidebar leads to its page
     target = next(a for a in visible if a.get_attribute("href").endswith("setup_check.html"))
     target.click()
@@ -301,7 +301,7 @@ def test_toc_button_hides_and_shows_the_sidebar_on_a_desktop(site: str, driver: 
     WebDriverWait(driver, 5).until(lambda d: d.find_element(By.ID, "pst-primary-sidebar").is_displayed())
 
 
-def test_search_finds_a_page(site: str, driver: webdriver.Chrome):
+def test_search_finds_a_page(site: str, driver: webdriver.Chrome, screenshots: Path):
     _set_viewport(driver, *WIDTHS["desktop"])
     _open(driver, f"{site}/search.html?q=tokenizer")
     try:
@@ -311,3 +311,4 @@ def test_search_finds_a_page(site: str, driver: webdriver.Chrome):
         pytest.fail("the search page found nothing for 'tokenizer': " + driver.find_element(By.ID, "search-results").text)
     hrefs = [a.get_attribute("href") for a in driver.find_elements(By.CSS_SELECTOR, "#search-results ul.search li a")]
     assert any("book/intro.html" in h or "book/setup_check.html" in h for h in hrefs), hrefs
+    _screenshot(driver, screenshots / "desktop-search-results.png")
