@@ -1,0 +1,515 @@
+"""Checks of the ``lm_basics`` assignment (chapter 1, language modelling and tokens).
+
+Tasks, each compared with its reference on seeded inputs and edge cases:
+
+* ``encode(text, stoi) -> list[int]`` and ``decode(ids, itos) -> str``: gptlab's
+  :class:`~gptlab.tokenizers.CharTokenizer`; an unknown character (or id) must raise ``KeyError``.
+* ``next_token_batch(ids, block_size, starts) -> (x, y)``: :func:`gptlab.data.batch_at`, compared
+  exactly (they are token ids).
+* ``cross_entropy(logits, targets) -> 0-d tensor``: PyTorch's ``F.cross_entropy``, atol 1e-5 and
+  rtol 1e-4 (one log-softmax and a mean in float32), on logits up to 1e4 in size (numerical
+  stability), and its gradient against ``(softmax - onehot) / N`` with the same tolerance.
+* ``perplexity(mean_nll) -> float``: ``math.exp``, relative tolerance 1e-6.
+
+Each task forbids gptlab's own function for it; ``cross_entropy`` also forbids PyTorch's fused
+losses (``F.cross_entropy``, ``F.nll_loss``, ``nn.CrossEntropyLoss``, ``nn.NLLLoss``) and the two
+functions that do the log-sum-exp shift for you (``torch.logsumexp`` and ``log_softmax``, in any
+spelling: ``torch.``, ``F.``, or the tensor method).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import bigram as _bigram
+from .. import data as _data
+from ..tokenizers import CharTokenizer
+from .core import (
+    DelegationError,
+    ExerciseError,
+    Forbidden,
+    call,
+    describe,
+    expect_close,
+    expect_tensor,
+    require_function,
+    same,
+    show_tensor,
+)
+
+__all__ = [
+    "check_encode",
+    "check_decode",
+    "check_next_token_batch",
+    "check_cross_entropy",
+    "check_perplexity",
+    "reference_cross_entropy",
+]
+
+# --------------------------------------------------------------------------- forbidding tensor methods
+
+
+# PyTorch builtins that do the log-sum-exp shift for the learner, recognised by name whichever way
+# they are reached (torch.logsumexp, x.logsumexp(), torch.log_softmax, x.log_softmax(),
+# F.log_softmax, which calls the method). gptlab.grading.core's Forbidden recognises a builtin by
+# identity, and a tensor method is a new bound object at every call, hence this local hook.
+_SHIFT_BUILTINS = {
+    "logsumexp": "torch.logsumexp",
+    "special_logsumexp": "torch.special.logsumexp",
+    "log_softmax": "log_softmax",
+    "_log_softmax": "log_softmax",
+    "special_log_softmax": "torch.special.log_softmax",
+}
+
+
+@contextmanager
+def _forbid_shift_builtins(task: str):
+    """While active, a call of torch's logsumexp or log_softmax raises :class:`DelegationError`.
+
+    Installed outside :func:`gptlab.grading.core.call`, whose own profiling hook passes every
+    event on to this one.
+    """
+    previous = sys.getprofile()
+
+    def profile(frame, event, arg):
+        if previous is not None:
+            previous(frame, event, arg)
+        if event != "c_call":
+            return
+        name = _SHIFT_BUILTINS.get(getattr(arg, "__name__", None))
+        owner = getattr(arg, "__self__", None)
+        if name is not None and (owner is None or isinstance(owner, Tensor) or getattr(owner, "__name__", "").startswith("torch")):
+            sys.setprofile(previous)
+            raise DelegationError(
+                f"{task} must be written by hand, but your code called {name}, which does the log-sum-exp "
+                "shift for you. Write it yourself: subtract each row's maximum, then exp, sum, log."
+            )
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+# --------------------------------------------------------------------------- encode / decode
+
+_TEXTS = ("hello world", "", "To be, or not to be:\nthat is the question.", "a")
+_VOCAB_TEXT = "To be, or not to be:\nthat is the question. hello world! Zany"
+_TOKENIZER_FORBIDDEN = (
+    Forbidden(CharTokenizer.encode, "gptlab's CharTokenizer.encode"),
+    Forbidden(CharTokenizer.decode, "gptlab's CharTokenizer.decode"),
+)
+
+
+def _vocabularies() -> list[CharTokenizer]:
+    """The sorted vocabulary of a text, and the same characters in another (shuffled) order."""
+    sorted_tok = CharTokenizer.from_text(_VOCAB_TEXT)
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(sorted_tok.vocab_size, generator=g).tolist()
+    return [sorted_tok, CharTokenizer([sorted_tok.chars[i] for i in order])]
+
+
+def _is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in x)
+
+
+def _expect_key_error(fn: Callable, name: str, args: tuple, forbidden: Sequence[Forbidden], what: str, hint: str) -> None:
+    """``fn(*args)`` must raise KeyError (an unknown character or id)."""
+    try:
+        out = call(fn, name, *args, forbidden=forbidden)
+    except DelegationError:
+        raise
+    except ExerciseError as e:
+        cause = e.__cause__
+        if isinstance(cause, KeyError):
+            return
+        if cause is None:
+            raise
+        raise ExerciseError(
+            f"{name}({', '.join(describe(a) for a in args)}) should raise KeyError ({what}), but it raised "
+            f"{type(cause).__name__}: {cause}. Look the value up with [ ] (a dict raises KeyError by itself)."
+        ) from None
+    raise ExerciseError(
+        f"{name}({', '.join(describe(a) for a in args)}) returned {describe(out)}, but {what}: it must raise "
+        f"KeyError. {hint}"
+    )
+
+
+def check_encode(fn: Callable[[str, dict], list]) -> None:
+    """Check a learner's ``encode(text, stoi) -> list[int]`` against :class:`CharTokenizer`.
+
+    ``stoi`` maps every character of the vocabulary to its id; ``encode`` returns one id per
+    character of ``text`` (a list of ``int``), and raises ``KeyError`` for a character that is not
+    in ``stoi``. Tried on a sorted vocabulary and on a shuffled one (the ids must come from
+    ``stoi``, not from the characters' order).
+    """
+    require_function(fn, "encode")
+    for tok in _vocabularies():
+        stoi = dict(tok.stoi)
+        for text in _TEXTS:
+            got = call(fn, "encode", text, stoi, forbidden=_TOKENIZER_FORBIDDEN)
+            want = tok.encode(text)
+            if isinstance(got, Tensor):
+                raise ExerciseError(f"encode({text!r}, stoi) returned a tensor; return a plain list of ints "
+                                    "(e.g. a list comprehension), the type decode expects.")
+            if got is None:
+                raise ExerciseError(f"encode({text!r}, stoi) returned None (did you forget a return statement?).")
+            if isinstance(got, str):
+                raise ExerciseError(f"encode({text!r}, stoi) returned a string {got[:40]!r}; it must return the "
+                                    "list of token ids, one per character.")
+            if not _is_int_list(got):
+                raise ExerciseError(f"encode({text!r}, stoi) should return a list of ints, got {describe(got)}.")
+            if got == want:
+                continue
+            candidates = [
+                ("your ids are off by one: the id of a character is exactly stoi[c]; do not add 1.",
+                 [i + 1 for i in want]),
+                ("your ids are off by one: the id of a character is exactly stoi[c]; do not subtract 1.",
+                 [i - 1 for i in want]),
+                ("your ids are positions in the sorted characters, not stoi's ids: use stoi[c].",
+                 [sorted(stoi).index(c) for c in text]),
+                ("you encoded each distinct character once (a set): encode every character of the text, in order, "
+                 "repeats included.", got if len(set(text)) < len(text) and sorted(got) == sorted(stoi[c] for c in set(text))
+                 else None),
+                ("you skipped the spaces (text.split()?): a space is a character with its own id.",
+                 [stoi[c] for c in text if c != " "]),
+                ("your ids come out in reverse order.", want[::-1]),
+            ]
+            reason = next((r for r, c in candidates if c is not None and got == c),
+                          "each character c must become stoi[c], in order.")
+            raise ExerciseError(
+                f"encode({text!r}, stoi) is wrong: {reason}\n  expected: {want}\n  got:      {got}"
+            )
+    _expect_key_error(
+        fn, "encode", ("hi~", stoi), _TOKENIZER_FORBIDDEN, "'~' is not in the vocabulary",
+        "Did you skip unknown characters (if c in stoi) or use stoi.get(c, 0)? Silently mapping an unknown "
+        "character to some id hides the problem; look it up with stoi[c].",
+    )
+
+
+def check_decode(fn: Callable[[list, dict], str]) -> None:
+    """Check a learner's ``decode(ids, itos) -> str`` against :class:`CharTokenizer`.
+
+    ``itos`` maps every id to its character; ``decode`` returns the characters of ``ids`` joined
+    with nothing in between, and raises ``KeyError`` for an id that is not in ``itos``.
+    """
+    require_function(fn, "decode")
+    for tok in _vocabularies():
+        itos = dict(tok.itos)
+        V = tok.vocab_size
+        for text in _TEXTS:
+            ids = tok.encode(text)
+            got = call(fn, "decode", list(ids), itos, forbidden=_TOKENIZER_FORBIDDEN)
+            want = tok.decode(ids)
+            if got is None:
+                raise ExerciseError(f"decode({ids}, itos) returned None (did you forget a return statement?).")
+            if isinstance(got, list):
+                raise ExerciseError(f"decode({ids}, itos) returned a list {got[:12]}...; join the characters into "
+                                    "one string with ''.join(...).")
+            if not isinstance(got, str):
+                raise ExerciseError(f"decode({ids}, itos) should return a str, got {describe(got)}.")
+            if got == want:
+                continue
+
+            def shifted(d: int) -> str | None:
+                return "".join(itos[i + d] for i in ids) if all(0 <= i + d < V for i in ids) else None
+
+            candidates = [
+                ("you joined the characters with spaces: use ''.join(...), since the spaces of the text are "
+                 "characters of their own.", " ".join(itos[i] for i in ids)),
+                ("you added a newline between characters: use ''.join(...).", "\n".join(itos[i] for i in ids)),
+                ("your lookup is off by one: the character of id i is exactly itos[i].", shifted(1)),
+                ("your lookup is off by one: the character of id i is exactly itos[i].", shifted(-1)),
+                ("the characters come out in reverse order.", want[::-1]),
+                ("you decoded each distinct id once (a set): decode every id, in order.",
+                 "".join(itos[i] for i in dict.fromkeys(ids))),
+            ]
+            reason = next((r for r, c in candidates if c is not None and got == c),
+                          "each id i must become itos[i], all joined with nothing between them.")
+            raise ExerciseError(f"decode({ids}, itos) is wrong: {reason}\n  expected: {want!r}\n  got:      {got!r}")
+        # a round trip of every character, then an unknown id
+        every = list(range(V))
+        got = call(fn, "decode", every, itos, forbidden=_TOKENIZER_FORBIDDEN)
+        if got != tok.decode(every):
+            raise ExerciseError(f"decode(every id 0..{V - 1}, itos) is wrong:\n  expected: {tok.decode(every)!r}\n"
+                                f"  got:      {got!r}")
+        _expect_key_error(
+            fn, "decode", ([0, V], itos), _TOKENIZER_FORBIDDEN, f"id {V} is not in itos (ids run 0..{V - 1})",
+            "Did you skip unknown ids or use itos.get(i, '')? Look the id up with itos[i].",
+        )
+
+
+# --------------------------------------------------------------------------- next_token_batch
+
+_BATCH_FORBIDDEN = (
+    Forbidden(_data.get_batch, "gptlab.data.get_batch"),
+    Forbidden(_data.batch_at, "gptlab.data.batch_at"),
+    Forbidden(_data.TokenDataset, "gptlab.data.TokenDataset"),
+)
+
+
+def _batch_cases(seed: int) -> list[tuple[Tensor, int, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 65, (20,), generator=g)
+    big = torch.randint(0, 65, (1000,), generator=g)
+    big_starts = torch.cat([torch.randint(0, 1000 - 16, (7,), generator=g), torch.tensor([1000 - 16 - 1])])
+    return [
+        (ids, 4, torch.tensor([2, 5, 9])),
+        (ids, 1, torch.tensor([3])),  # T = 1
+        (ids, 4, torch.tensor([15, 7])),  # 15 = N - T - 1: the last window that fits
+        (ids, 8, torch.tensor([11])),  # a batch of 1 ending at the last token
+        (ids, 3, torch.tensor([0, 0, 16])),  # start 0, repeated starts
+        (big, 16, big_starts),
+    ]
+
+
+def _window(ids: Tensor, starts: Tensor, T: int, shift: int) -> Tensor:
+    return torch.stack([ids[int(s) + shift : int(s) + shift + T] for s in starts])
+
+
+def check_next_token_batch(fn: Callable[[Tensor, int, Tensor], tuple], seed: int = 0) -> None:
+    """Check a learner's ``next_token_batch(ids, block_size, starts) -> (x, y)``.
+
+    ``ids`` (N,) int64 token ids, ``starts`` (B,) int64 window starts; the answer is ``x`` (B, T)
+    with ``x[b] = ids[s_b : s_b + T]`` and ``y`` (B, T) with ``y[b] = ids[s_b + 1 : s_b + T + 1]``
+    (T = ``block_size``), compared exactly with :func:`gptlab.data.batch_at`. The cases include the
+    last start that fits (N - T - 1), T = 1 and a batch of one.
+    """
+    require_function(fn, "next_token_batch")
+    for ids, T, starts in _batch_cases(seed):
+        B = len(starts)
+        inputs = f"ids = {describe(ids)}, block_size = {T}, starts = {starts.tolist()}"
+        try:
+            got = call(fn, "next_token_batch", ids, T, starts, forbidden=_BATCH_FORBIDDEN)
+        except DelegationError:
+            raise
+        except ExerciseError as e:
+            last = len(ids) - T - 1
+            if e.__cause__ is not None and last in starts.tolist():
+                raise ExerciseError(
+                    f"{e}\n  Most likely mistake: a slice reads past the end of ids. Start {last} = N - block_size - 1 "
+                    f"is the last window that fits (N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. "
+                    "Slices that go further come out shorter than block_size: x = ids[s : s + block_size], "
+                    "y = ids[s + 1 : s + block_size + 1]."
+                ) from None
+            raise
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            raise ExerciseError(f"next_token_batch should return a pair (x, y) of tensors, got {describe(got)}.")
+        x, y = got
+        want_x, want_y = _data.batch_at(ids, starts, T)
+        for name, t, want in (("x", x, want_x), ("y", y, want_y)):
+            if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == B and t.shape[1] != T:
+                d = t.shape[1] - T
+                hint = (f"{name} has {t.shape[1]} = block_size {'+' if d > 0 else '-'} {abs(d)} columns: "
+                        "x and y are both block_size long, x = ids[s : s + block_size] and "
+                        "y = ids[s + 1 : s + block_size + 1].")
+                raise ExerciseError(f"for {inputs}: {hint}")
+            if isinstance(t, Tensor) and t.dim() == 2 and tuple(t.shape) == (T, B) and T != B:
+                raise ExerciseError(f"for {inputs}: {name} has shape {(T, B)}, the transpose of (B, T) = {(B, T)}: "
+                                    "stack the windows along a new first dimension (torch.stack(windows) or dim=0).")
+            expect_tensor(t, f"{name} of next_token_batch", shape=(B, T), device="cpu",
+                          hint_shape="Each row is one window of block_size tokens; there is one row per start.")
+            if t.is_floating_point() or t.dtype == torch.bool:
+                raise ExerciseError(f"{name} of next_token_batch should hold integer token ids (dtype {ids.dtype}), "
+                                    f"got dtype {t.dtype}: slice ids instead of building new float tensors.")
+        x, y = x.long(), y.long()
+        if same(x, want_x) and same(y, want_y):
+            continue
+        if same(x, want_x):
+            candidates = [
+                ("your targets are not shifted: y equals x, so the model would be asked to copy its input. "
+                 "y[b, t] is the token AFTER x[b, t]: y = ids[s + 1 : s + block_size + 1].", x),
+                ("your targets are shifted the wrong way (the token before, ids[s - 1 : ...]): y must be the NEXT "
+                 "tokens, ids[s + 1 : s + block_size + 1].", _try(lambda: _window(ids, starts, T, -1))),
+                ("your targets are shifted by 2: y = ids[s + 1 : s + block_size + 1], one step after x.",
+                 _try(lambda: _window(ids, starts, T, 2))),
+            ]
+            what, wrong, want = "y", y, want_y
+        else:
+            swapped = same(x, want_y) and same(y, want_x)
+            candidates = [
+                ("x and y are swapped: x = ids[s : s + block_size] is the input, y (one step later) the target.",
+                 want_y if swapped else None),
+                ("x starts one token late: x = ids[s : s + block_size] starts AT s, and y one token later.",
+                 want_y),
+                ("x starts one token early: x = ids[s : s + block_size] starts AT s.",
+                 _try(lambda: _window(ids, starts, T, -1))),
+            ]
+            what, wrong, want = "x", x, want_x
+        reason = next((r for r, c in candidates if isinstance(c, Tensor) and same(wrong, c)), None)
+        if reason is None:
+            reason = ("x[b] must be ids[s_b : s_b + block_size] and y[b] = ids[s_b + 1 : s_b + block_size + 1], "
+                      "with s_b = starts[b].")
+        raise ExerciseError(
+            f"next_token_batch is wrong ({what} differs): {reason}\n  input: {inputs}\n"
+            f"  expected {what}:\n{_rows(want)}\n  got {what}:\n{_rows(wrong)}"
+        )
+
+
+def _try(thunk: Callable[[], Tensor]) -> Tensor | None:
+    try:
+        return thunk()
+    except Exception:
+        return None
+
+
+def _rows(t: Tensor, max_rows: int = 4) -> str:
+    lines = [f"      {row}" for row in t[:max_rows].tolist()]
+    if t.shape[0] > max_rows:
+        lines.append(f"      ... ({t.shape[0]} rows)")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- cross_entropy
+
+_CE_FORBIDDEN = (
+    Forbidden(F.cross_entropy, "F.cross_entropy"),
+    Forbidden(F.nll_loss, "F.nll_loss"),
+    Forbidden(torch.nn.CrossEntropyLoss, "nn.CrossEntropyLoss"),
+    Forbidden(torch.nn.NLLLoss, "nn.NLLLoss"),
+    Forbidden(_bigram.BigramModel.loss, "gptlab.bigram.BigramModel.loss"),
+)
+
+
+def reference_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """The reference: ``F.cross_entropy(logits, targets)``, logits (N, V), targets (N,) -> 0-d mean NLL."""
+    return F.cross_entropy(logits, targets)
+
+
+def _ce_cases(seed: int) -> list[tuple[str, Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for N, V, scale in ((6, 5, 2.0), (1, 3, 1.0), (32, 65, 3.0)):
+        cases.append((f"logits of shape ({N}, {V}) (seeded, values up to about {3 * scale:g})",
+                      torch.randn(N, V, generator=g) * scale, torch.randint(0, V, (N,), generator=g)))
+    # large logits: exp(1e4) overflows float32; targets avoid the argmax so that log(softmax) underflows
+    big = torch.randn(4, 7, generator=g) * 1e4
+    targets = (big.argmax(dim=1) + 1 + torch.randint(0, 6, (4,), generator=g)) % 7
+    cases.append(("logits of shape (4, 7) with values about 1e4 in size", big, targets))
+    return cases
+
+
+def _ce_mistakes(logits: Tensor, targets: Tensor) -> list:
+    N = logits.shape[0]
+    rows = torch.arange(N)
+    logp = logits - logits.max(dim=1, keepdim=True).values
+    logp = logp - logp.exp().sum(dim=1, keepdim=True).log()  # log-softmax over the vocabulary
+    logp0 = logits - logits.max(dim=0, keepdim=True).values
+    logp0 = logp0 - logp0.exp().sum(dim=0, keepdim=True).log()  # over the wrong dimension
+    picked = logp[rows, targets]
+    return [
+        ("you summed the losses instead of averaging them: divide by N (use .mean()).", lambda: -picked.sum()),
+        ("you took the softmax over the wrong dimension (dim=0, the positions): normalise each row over the "
+         "vocabulary, dim=1 (or -1).", lambda: -logp0[rows, targets].mean()),
+        ("you picked the log-probability of the most likely token (argmax) instead of the target's: index "
+         "with targets, logp[torch.arange(N), targets].", lambda: -logp[rows, logits.argmax(dim=1)].mean()),
+        ("the sign is flipped: the loss is the NEGATIVE mean log-probability of the targets (it is >= 0).",
+         lambda: picked.mean()),
+        ("you averaged the log-probabilities of every token, not only the targets': pick one entry per row, "
+         "logp[torch.arange(N), targets].", lambda: -logp.mean()),
+        ("you indexed logp[:, targets], which picks an (N, N) block (every row at every target): pick one "
+         "entry per row with logp[torch.arange(N), targets].", lambda: -logp[:, targets].mean()),
+        ("you used log base 2 (bits): the loss here is in nats, natural log (torch.log).",
+         lambda: -picked.mean() / math.log(2)),
+        ("you forgot the log: the loss is -log p(target), not -p(target).", lambda: -picked.exp().mean()),
+        ("you used the raw logits of the targets without normalising them: a log-probability is "
+         "logit - log(sum(exp(logits of the row))).", lambda: -logits[rows, targets].mean()),
+    ]
+
+
+def check_cross_entropy(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -> None:
+    """Check a learner's ``cross_entropy(logits, targets) -> 0-d tensor``.
+
+    ``logits`` (N, V) float32, ``targets`` (N,) int64; the answer is the mean over the N rows of
+    ``-log softmax(logits[n])[targets[n]]``, a 0-d tensor, compared with ``F.cross_entropy`` (atol
+    1e-5, rtol 1e-4), on small and large (1e4) logits, and its gradient with respect to the logits
+    with ``(softmax(logits) - onehot(targets)) / N`` (same tolerance). Forbids the fused losses,
+    ``torch.logsumexp`` and ``log_softmax``.
+    """
+    require_function(fn, "cross_entropy")
+    for inputs, logits, targets in _ce_cases(seed):
+        N = logits.shape[0]
+        leaf = logits.clone().requires_grad_(True)
+        with _forbid_shift_builtins("cross_entropy"):
+            got_raw = call(fn, "cross_entropy", leaf, targets, forbidden=_CE_FORBIDDEN)
+        if isinstance(got_raw, (float, int)) and not isinstance(got_raw, bool):
+            raise ExerciseError(
+                f"cross_entropy returned a Python number ({got_raw:.4g}); return the 0-d tensor instead (no .item()), "
+                "so that loss.backward() can compute the gradient."
+            )
+        if isinstance(got_raw, Tensor) and got_raw.dim() == 1 and got_raw.shape[0] == N and N > 1:
+            raise ExerciseError(
+                f"cross_entropy returned shape ({N},), one loss per row: return their mean, a 0-d tensor (.mean())."
+            )
+        got = expect_tensor(got_raw, "cross_entropy", shape=(), dtype="float", device="cpu",
+                            hint_shape="The loss is one number: the mean over the N rows, a 0-d tensor.")
+        want = reference_cross_entropy(logits, targets)
+        if not bool(torch.isfinite(got)):
+            raise ExerciseError(
+                f"cross_entropy is {got.item()} for {inputs}; expected {want.item():.6g}. It is not numerically "
+                "stable: exp(1e4) overflows to inf (and inf/inf = nan), and a probability that underflows to 0 "
+                "gives log(0) = -inf. Subtract each row's maximum before exp (the log-sum-exp shift) and compute "
+                "log-probabilities as (logits - max) - log(sum(exp(logits - max))), never log(softmax)."
+            )
+        expect_close(got, want, "cross_entropy", inputs, atol=1e-5, rtol=1e-4, mistakes=_ce_mistakes(logits, targets),
+                     show=lambda t: f"{t.item():.6g}" if t.dim() == 0 else show_tensor(t, decimals=6))
+        # the gradient: backward through the learner's graph
+        if not got_raw.requires_grad:
+            raise ExerciseError(
+                "cross_entropy's result is cut off from the logits: it has no gradient (did you use .item(), "
+                ".detach(), torch.tensor(...) on a result, or numpy?). Compute it with tensor operations on logits."
+            )
+        (grad,) = torch.autograd.grad(got_raw, leaf)
+        want_grad = (torch.softmax(logits, dim=1) - F.one_hot(targets, logits.shape[1]).float()) / N
+        expect_close(grad, want_grad, "the gradient of cross_entropy with respect to the logits", inputs,
+                     atol=1e-5, rtol=1e-4,
+                     diagnose=lambda g: "it should be (softmax(logits) - onehot(targets)) / N; a value that is right "
+                                        "but whose gradient is wrong usually comes from a detached piece (e.g. the "
+                                        "row maximum is fine detached, the log-sum-exp is not).")
+
+
+# --------------------------------------------------------------------------- perplexity
+
+_PPL_FORBIDDEN = (Forbidden(_bigram.perplexity, "gptlab.bigram.perplexity"),)
+_NLLS = (0.0, 1.0, math.log(65), 2.4818894, 0.25, 4.5)
+
+
+def check_perplexity(fn: Callable[[float], float]) -> None:
+    """Check a learner's ``perplexity(mean_nll) -> float`` against ``math.exp`` (relative 1e-6).
+
+    ``mean_nll`` is a mean negative log-likelihood in nats (natural log), as ``cross_entropy``
+    returns; the perplexity is ``exp(mean_nll)``, a Python float.
+    """
+    require_function(fn, "perplexity")
+    for x in _NLLS:
+        got = call(fn, "perplexity", x, forbidden=_PPL_FORBIDDEN)
+        want = math.exp(x)
+        if isinstance(got, Tensor):
+            raise ExerciseError(f"perplexity({x:.6g}) returned a tensor; return a Python float (math.exp, or .item()).")
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            extra = " (did you forget a return statement?)" if got is None else ""
+            raise ExerciseError(f"perplexity({x:.6g}) should return a float, got {describe(got)}{extra}.")
+        if abs(got - want) <= 1e-6 * want:
+            continue
+        candidates = [
+            ("you used base 2 (2 ** loss): the loss is in nats (natural log), so the perplexity is e ** loss, "
+             "math.exp(loss).", 2.0**x),
+            ("you used base 10 (10 ** loss): the loss is in nats (natural log), so the perplexity is math.exp(loss).",
+             10.0**x),
+            ("you took exp(-loss), the geometric-mean probability of the targets; the perplexity is its inverse, "
+             "exp(+loss).", math.exp(-x)),
+            ("you returned the loss itself: the perplexity is exp(loss).", x),
+            ("you took the log of the loss: the perplexity is exp(loss).", math.log(x) if x > 0 else None),
+        ]
+        reason = next((r for r, c in candidates if c is not None and abs(got - c) <= 1e-6 * max(abs(c), 1e-12)),
+                      "the perplexity of a mean loss L (nats) is exp(L).")
+        raise ExerciseError(f"perplexity({x:.6g}) is wrong: {reason}\n  expected: {want:.6g}\n  got:      {got:.6g}")
