@@ -2,8 +2,9 @@
 
 * Configuration: `_config.yml` and `_toc.yml` agree with the files under `book/`; the repository
   address is written once (`repository: url:`) and the README and every notebook use that one.
-* The first cell of every book notebook and every exercise notebook (`solutions/`) is exactly the
-  Colab set-up cell rendered by `gptlab.notebook_setup` (one parametrized case per notebook).
+* The first cell of every book notebook and every exercise notebook (`solutions/` and the
+  learners' copies in `exercises/`) is exactly the Colab set-up cell rendered by
+  `gptlab.notebook_setup` (one parametrized case per notebook).
 * The build (`jupyter-book build . -W -n --keep-going`, as `make book`; built once per session by
   `tests/_book_build.py`, shared with the browser test) passes without a warning, executes every
   notebook, and gives every notebook page a download button and a launch button into Colab.
@@ -25,7 +26,9 @@ from _book_build import REPO, BookBuild, build_book_once
 from gptlab.notebook_setup import has_setup_cell, render_setup_source
 
 BOOK_NOTEBOOKS = sorted(p for p in (REPO / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
-EXERCISE_NOTEBOOKS = sorted(p for p in (REPO / "solutions").glob("*/*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+# instructors' sources, and the learners' copies nbgrader makes from them (what Colab opens)
+EXERCISE_NOTEBOOKS = sorted(p for folder in ("solutions", "exercises") for p in (REPO / folder).glob("*/*.ipynb")
+                            if ".ipynb_checkpoints" not in p.parts)
 CONFIG = yaml.safe_load((REPO / "_config.yml").read_text())
 REPO_URL, REPO_BRANCH = CONFIG["repository"]["url"], CONFIG["repository"].get("branch", "main")
 REFRESH_OUTPUTS = (
