@@ -36,7 +36,7 @@ help:
 	@echo "make book       set up .venv, fetch the data, build the book into _build/html"
 	@echo "make test       set up .venv, fetch the data, run the whole test suite"
 	@echo "make test-fast  the same without the tests marked slow"
-	@echo "make exercises  regenerate exercises/ from solutions/ (nbgrader generate_assignment)"
+	@echo "make exercises  regenerate exercises/ from solutions/ (python -m gptlab course release)"
 	@echo "make clean      remove the built book and the set-up stamp"
 
 setup: $(STAMP) chromium
@@ -80,13 +80,9 @@ test: $(STAMP) data chromium
 test-fast: $(STAMP) data
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
-# nbgrader writes its gradebook beside the course; keep it out of the repository.
+# nbgrader generate_assignment for every assignment (the gradebook, gradebook.db, is not committed).
 exercises: $(STAMP)
-	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
-	for dir in solutions/*/; do \
-	  a=$$(basename "$$dir"); \
-	  $(PY) -m nbgrader generate_assignment "$$a" --force --db "sqlite:///$$tmp/gradebook.db"; \
-	done
+	$(PY) -m gptlab course release
 
 clean:
 	rm -rf _build $(STAMP)

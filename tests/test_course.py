@@ -5,11 +5,12 @@
 * ``collect`` understands a folder of ``<student>.ipynb``, ``<student>/`` folders, and nbgrader's
   exchange inbound layout (latest submission wins, ids sanitized).
 * One shared autograde run (2 workers) over, for each assignment: the solution (full marks), the
-  blank release (zero), one planted mistake per task from the catalogue (``tests/mistakes``: zero
-  on that task, the diagnosis in the feedback HTML), and tampering with the last task: its test
-  cell edited to ``pass`` or deleted (the released test runs anyway), an endless loop (stopped by
-  the time limit), a kernel crash (``os._exit``), and a notebook that is not JSON. Each costs only
-  the affected points and leaves a note in the feedback.
+  blank release (zero), one planted mistake per task and one delegation from the catalogue
+  (``tests/mistakes``: zero on that task, the diagnosis in the feedback HTML); and, in one
+  assignment, tampering with its last task: its test cells edited to ``pass`` or deleted (the
+  released test runs anyway), an endless loop (stopped by the time limit), a kernel crash
+  (``os._exit``), and a notebook that is not JSON. Each costs only the affected points and leaves
+  a note in the feedback.
 * Re-grading students with 1 worker gives the same scores, and the gradebook holds exactly one
   grade per (student, test cell).
 * A cell's declared time limit (``{"gptlab": {"timeout": S}}``) is honoured by plain
@@ -46,6 +47,10 @@ from mistakes import Mistake, assignments_with_catalogues, catalogue  # noqa: E4
 
 ASSIGNMENTS = sorted(p.name for p in (REPO / "solutions").iterdir() if p.is_dir())
 TIMEOUT = 15  # per-cell limit for the round trip: the endless loop costs this, not 30 s
+# Tampering is handled before and around nbgrader, the same way for every assignment: it is
+# planted in one assignment only, to keep the shared round trip short.
+TAMPERED = "causal_mask" if "causal_mask" in ASSIGNMENTS else ASSIGNMENTS[0]
+TAMPERING = ["edited", "deleted", "loop", "crash", "notjson"]
 
 
 def _run(*argv: str) -> int:
@@ -194,6 +199,8 @@ def _submissions(a: Assignment) -> dict[str, tuple[object, dict[str, float] | No
     last, subs = a.last, {}
     subs["solution"] = (a.solved(), a.full(), [])
     subs["blank"] = (a.release, {g: 0.0 for g in a.points}, [])
+    if a.name != TAMPERED:
+        return subs
     blank_last = a.with_answer(last, "".join(_cell(a.release, f"solution_{last}")["source"]))
     edited = copy.deepcopy(blank_last)
     for gid in graded_cells_of(a.release, last):
@@ -261,9 +268,9 @@ def _scores(course: Path) -> dict[tuple[str, str, str], float]:
     """(assignment, student, grade_id) -> score, straight from the gradebook's tables."""
     db = sqlite3.connect(course / "gradebook.db")
     rows = db.execute(
-        "SELECT a.name, sa.student_id, gc.name, g.auto_score, g.manual_score FROM grade g "
+        "SELECT a.name, sa.student_id, bc.name, g.auto_score, g.manual_score FROM grade g "
         "JOIN submitted_notebook sn ON g.notebook_id = sn.id JOIN submitted_assignment sa ON sn.assignment_id = sa.id "
-        "JOIN assignment a ON sa.assignment_id = a.id JOIN grade_cells gc ON g.cell_id = gc.id"
+        "JOIN assignment a ON sa.assignment_id = a.id JOIN base_cell bc ON g.cell_id = bc.id"
     ).fetchall()
     db.close()
     out = {}
@@ -281,8 +288,18 @@ def _feedback(course: Path, name: str, student: str) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ASSIGNMENTS)
-@pytest.mark.parametrize("student", ["solution", "blank", "edited", "deleted", "loop", "crash", "notjson"])
-def test_scores_and_notes(graded, name, student):
+@pytest.mark.parametrize("student", ["solution", "blank"])
+def test_solution_scores_full_marks_and_the_blank_release_zero(graded, name, student):
+    _check_student(graded, name, student)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", TAMPERING)
+def test_tampering_costs_only_the_affected_points(graded, student):
+    _check_student(graded, TAMPERED, student)
+
+
+def _check_student(graded, name: str, student: str) -> None:
     course, plan, results, _ = graded
     expected, says, _ = plan[(name, student)]
     scores = _scores(course)
@@ -299,9 +316,8 @@ def test_scores_and_notes(graded, name, student):
 def test_an_endless_loop_costs_bounded_time(graded):
     """The looping student's job ends within a few time limits (two cells call the loop at most)."""
     _, _, results, _ = graded
-    for name in ASSIGNMENTS:
-        r = results[(name, "loop")]
-        assert r["seconds"] < 4 * TIMEOUT + 60, f"{name}: the looping submission took {r['seconds']:.0f} s"
+    r = results[(TAMPERED, "loop")]
+    assert r["seconds"] < 4 * TIMEOUT + 60, f"the looping submission took {r['seconds']:.0f} s"
 
 
 @pytest.mark.slow
@@ -328,8 +344,10 @@ def test_one_worker_gives_the_same_grades_and_one_grade_per_cell(graded):
     students = sorted({s for (_, s) in plan})
     n_cells = {name: len(Assignment(course, name).points) for name in ASSIGNMENTS}
     assert len(before) == sum(n_cells[a] for (a, _) in plan)  # one grade per (student, cell), no more
+    for (a, s), (expected, _, _) in plan.items():
+        assert all((a, s, gid) in before for gid in Assignment(course, a).points)
     again = ["solution", "crash", "edited", "mistake0"]
-    argv = ["autograde", "--course", str(course), "--workers", "1", "--timeout", str(TIMEOUT), "--quiet"]
+    argv = ["autograde", TAMPERED, "--course", str(course), "--workers", "1", "--timeout", str(TIMEOUT), "--quiet"]
     for s in again:
         argv += ["--student", s]
     assert _run(*argv) == 0
@@ -513,6 +531,8 @@ def test_collect_a_flat_folder(course_dir, tmp_path, capsys):
     (inbox / "cy").mkdir()
     (inbox / "cy" / f"{_notebook(course_dir, name)}.ipynb").write_text(_nb_text("cy"))
     (inbox / "cy" / "data.csv").write_text("1,2\n")
+    (inbox / "cy" / "secrets").symlink_to("/etc/hostname")  # links are never followed
+    (inbox / "evil.ipynb").symlink_to(inbox / "ann.ipynb")
     assert _run("collect", str(inbox), "--assignment", name, "--course", str(course_dir)) == 0
     out = capsys.readouterr().out
     nb = _notebook(course_dir, name)
@@ -520,7 +540,8 @@ def test_collect_a_flat_folder(course_dir, tmp_path, capsys):
     assert sorted(p.name for p in sub.iterdir()) == ["Bob_Smith", "ann", "cy"]
     assert "# bob" in (sub / "Bob_Smith" / name / f"{nb}.ipynb").read_text()
     assert (sub / "cy" / name / "data.csv").is_file() and (sub / "ann" / name / "timestamp.txt").is_file()
-    assert "skipped" in out and "notes.txt" in out and "3 submission(s) collected, 1 skipped" in out
+    assert not (sub / "cy" / name / "secrets").exists()
+    assert "notes.txt" in out and "evil.ipynb: a symbolic link" in out and "3 submission(s) collected, 2 skipped" in out
 
 
 def test_collect_needs_the_assignment_for_a_plain_folder(course_dir, tmp_path, capsys):
@@ -575,3 +596,37 @@ def test_every_step_has_help(step, capsys):
 def test_course_without_config_is_a_clear_error(tmp_path, capsys):
     assert _run("grades", "--course", str(tmp_path)) == 2
     assert "has no nbgrader_config.py" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the instructors' appendix
+
+
+def _book_commands() -> list[str]:
+    text = (REPO / "book" / "instructors.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", text, flags=re.S)
+    lines = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line]
+
+
+def test_the_appendix_commands_are_real():
+    """Every command of book/instructors.md parses: gptlab's with its parser, nbgrader's as its subcommands."""
+    import shlex
+
+    from nbgrader.apps.nbgraderapp import NbGraderApp
+
+    from gptlab.__main__ import build_parser
+
+    commands = _book_commands()
+    assert any(c.startswith("python -m gptlab course autograde") for c in commands)
+    parser = build_parser()
+    for command in commands:
+        argv = shlex.split(command)
+        if argv[:3] == ["python", "-m", "gptlab"]:
+            args = parser.parse_args(argv[3:])
+            assert callable(args.func), command
+        elif argv[0] == "nbgrader":
+            assert argv[1] in NbGraderApp.subcommands, command
+        elif argv[:3] == ["python", "-m", "pytest"]:
+            assert all((REPO / a).is_file() for a in argv[3:] if a.startswith("tests/")), command
+        else:
+            raise AssertionError(f"unexpected command in book/instructors.md: {command}")

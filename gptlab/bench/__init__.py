@@ -18,6 +18,7 @@ _BENCHMARKS = {
     "train": "gptlab.bench.train",
     "generate": "gptlab.bench.generate",
     "speculative": "gptlab.bench.speculative",
+    "autograde": "gptlab.bench.autograde",
 }
 
 

@@ -281,7 +281,7 @@ def grade_student(job: dict) -> dict:
     db_url = f"sqlite:///{db}"
     submitted = course.directory("submitted") / student / assignment
     staged = scratch / "submitted" / student / assignment
-    shutil.copytree(submitted, staged, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    shutil.copytree(submitted, staged, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
     autograded = course.directory("autograded") / student / assignment
     if autograded.exists():
         shutil.rmtree(autograded)
@@ -434,6 +434,8 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
         if not who:
             print(f"{assignment}: nothing submitted in {course.directory('submitted')}/*/{assignment}", file=sys.stderr)
             continue
+        if not course.gradebook_url.startswith("sqlite:///"):
+            raise CourseError(f"course autograde needs a SQLite gradebook (sqlite:///PATH), got {course.gradebook_url}")
         _ensure_assignment(course, assignment)
         with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch:
             snapshot = Path(scratch) / "snapshot.db"

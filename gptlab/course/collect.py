@@ -120,6 +120,9 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
         for entry in sorted(src.iterdir()):
             if entry.name.startswith("."):
                 continue
+            if entry.is_symlink():
+                found.skipped.append((str(entry), "a symbolic link"))
+                continue
             if entry.is_file() and entry.suffix == ".ipynb":
                 if len(_notebook_names(course, assignment)) != 1:
                     found.skipped.append((str(entry), f"{assignment} has several notebooks: hand them in as a "
@@ -159,8 +162,7 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
                 shutil.copyfile(entry, tmp / f"{notebooks[name][0]}.ipynb")
                 (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
             else:
-                shutil.copytree(entry, tmp, dirs_exist_ok=True,
-                                ignore=shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__"))
+                shutil.copytree(entry, tmp, dirs_exist_ok=True, ignore=_ignore)
                 if not (tmp / "timestamp.txt").exists():
                     (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
             if dest.exists():
@@ -174,6 +176,11 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
             if tmp.exists():
                 shutil.rmtree(tmp)
     return found
+
+
+def _ignore(folder: str, names: list[str]) -> set[str]:
+    """Checkpoints, caches, and symbolic links (a link could point at any file of the grader's machine)."""
+    return {n for n in names if n in (".ipynb_checkpoints", "__pycache__") or Path(folder, n).is_symlink()}
 
 
 def _notebook_names(course: Course, assignment: str) -> list[str]:

@@ -1,0 +1,169 @@
+"""Autograding time: one full submission of every assignment, and a class of students with 1 and N workers.
+
+Where this sits: beside the pipeline, in the instructor's workflow (``python -m gptlab course``).
+In a throw-away copy of the course (``nbgrader_config.py`` + ``solutions/``, released with
+``course release``), this benchmark times :func:`gptlab.course.autograde.autograde`:
+
+* ``one_submission``: one student's submission of every assignment (the instructor's solution),
+  one worker: what a single learner costs, kernel start and ``import torch`` included;
+* ``class_workers_<n>``: ``--students`` students (solutions, with every ``--blank-every``-th
+  student handing in the blank release) for each worker count in ``--workers``, and the speed-up
+  over one worker;
+* ``test_cells``: for every visible test cell, the longest time it ran over all those runs, from
+  the timing nbclient records in each cell (``iopub.execute_input`` -> ``shell.execute_reply``).
+  A learner's test cell must give its verdict in under 5 s on 2 cores.
+
+Target: N workers close to N times faster than one (on a machine with at least N free cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from . import machine_name
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--course", default=None, help="the course folder to copy (default: the repository root)")
+    parser.add_argument("--students", type=int, default=20, help="students in the class runs")
+    parser.add_argument("--workers", default="1,2", help="comma-separated worker counts for the class runs")
+    parser.add_argument("--blank-every", type=int, default=4,
+                        help="every k-th student hands in the blank release (0 = everyone hands in the solution)")
+    parser.add_argument("--timeout", type=int, default=None, help="per-cell time limit (default: the course's)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 4 students")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+
+
+def _solved(release: dict, solution: dict) -> dict:
+    answers = {c["metadata"]["nbgrader"]["grade_id"]: c["source"] for c in solution["cells"]
+               if c["metadata"].get("nbgrader", {}).get("solution")}
+    nb = copy.deepcopy(release)
+    for c in nb["cells"]:
+        gid = c["metadata"].get("nbgrader", {}).get("grade_id")
+        if gid in answers:
+            c["source"] = answers[gid]
+    return nb
+
+
+def _submit(course: Path, assignments: list[str], students: list[str], blank_every: int) -> None:
+    sub = course / "submitted"
+    if sub.exists():
+        shutil.rmtree(sub)
+    for name in assignments:
+        for path in sorted((course / "exercises" / name).glob("*.ipynb")):
+            release = json.loads(path.read_text())
+            solved = _solved(release, json.loads((course / "solutions" / name / path.name).read_text()))
+            for k, student in enumerate(students):
+                blank = blank_every > 0 and (k + 1) % blank_every == 0
+                dest = sub / student / name / path.name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(json.dumps(release if blank else solved))
+
+
+def _fresh_gradebook(course: Path) -> None:
+    for p in ("gradebook.db", "autograded", "feedback"):
+        q = course / p
+        if q.is_dir():
+            shutil.rmtree(q)
+        elif q.exists():
+            q.unlink()
+
+
+def run(args) -> int:
+    from ..course import Course, release
+    from ..course._common import CourseError
+    from ..course.autograde import autograde
+
+    src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
+    if not (src / "nbgrader_config.py").is_file() or not (src / "solutions").is_dir():
+        print(f"gptlab bench autograde: error: {src} has no nbgrader_config.py and solutions/ (pass --course)")
+        return 2
+    n_students = 4 if args.quick else args.students
+    try:
+        worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
+    except ValueError:
+        print(f"gptlab bench autograde: error: --workers must be comma-separated integers, got {args.workers!r}")
+        return 2
+    load_before = os.getloadavg()
+    fig: dict = {"benchmark": "autograde", "machine": machine_name(), "cpu_count": os.cpu_count(),
+                 "load_average_before": load_before, "students": n_students, "blank_every": args.blank_every}
+    cells: dict[str, float] = {}
+
+    def note_times(results) -> None:
+        for r in results:
+            for nb, times in r["times"].items():
+                for gid, s in times.items():
+                    if gid.startswith("test_"):
+                        key = f"{r['assignment']}/{gid}"
+                        cells[key] = max(cells.get(key, 0.0), s)
+
+    with tempfile.TemporaryDirectory(prefix="gptlab-bench-autograde-") as tmp:
+        course_dir = Path(tmp) / "course"
+        course_dir.mkdir()
+        shutil.copy(src / "nbgrader_config.py", course_dir)
+        shutil.copytree(src / "solutions", course_dir / "solutions",
+                        ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        try:
+            course = Course(course_dir)
+            assignments = course.assignments()
+            release(course, assignments, progress=False)
+        except CourseError as e:
+            print(f"gptlab bench autograde: error: {e}")
+            return 2
+        fig["assignments"] = assignments
+
+        _submit(course_dir, assignments, ["one"], 0)
+        _fresh_gradebook(course_dir)
+        t0 = time.perf_counter()
+        res = autograde(course, assignments, workers=1, timeout=args.timeout, progress=False)
+        fig["one_submission_s"] = time.perf_counter() - t0
+        fig["one_submission_per_assignment_s"] = {r["assignment"]: r["seconds"] for r in res}
+        fig["one_submission_scores"] = {r["assignment"]: r["total"] for r in res}
+        note_times(res)
+        print(f"machine: {fig['machine']}")
+        print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
+        print(f"one full submission of {len(assignments)} assignment(s): {fig['one_submission_s']:.1f} s "
+              + "(" + ", ".join(f"{a} {s:.1f} s" for a, s in fig["one_submission_per_assignment_s"].items()) + ")")
+
+        students = [f"student{k:02d}" for k in range(n_students)]
+        _submit(course_dir, assignments, students, args.blank_every)
+        scores = None
+        for w in worker_counts:
+            _fresh_gradebook(course_dir)
+            t0 = time.perf_counter()
+            res = autograde(course, assignments, workers=w, timeout=args.timeout, progress=False)
+            wall = time.perf_counter() - t0
+            fig[f"class_workers_{w}_s"] = wall
+            got = sorted((r["assignment"], r["student"], r["total"]) for r in res)
+            if scores is not None and got != scores:
+                print(f"gptlab bench autograde: error: {w} workers gave other scores than {worker_counts[0]}")
+                return 1
+            scores = got
+            note_times(res)
+            print(f"{n_students} students x {len(assignments)} assignment(s), {w} worker(s): {wall:.1f} s "
+                  f"({wall / n_students:.2f} s per student)")
+        base = fig.get(f"class_workers_{worker_counts[0]}_s")
+        for w in worker_counts[1:]:
+            fig[f"speedup_{w}_vs_{worker_counts[0]}"] = base / fig[f"class_workers_{w}_s"]
+            print(f"speed-up {w} vs {worker_counts[0]} worker(s): {fig[f'speedup_{w}_vs_{worker_counts[0]}']:.2f}x")
+
+    fig["test_cells_max_s"] = dict(sorted(cells.items()))
+    fig["slowest_test_cell_s"] = max(cells.values()) if cells else None
+    fig["load_average_after"] = os.getloadavg()
+    print("longest run of each visible test cell (s):")
+    for k, s in fig["test_cells_max_s"].items():
+        print(f"  {k:60s} {s:6.2f}{'   OVER 5 s' if s >= 5 else ''}")
+    if args.json:
+        from ..course._common import atomic_write
+
+        atomic_write(Path(args.json), json.dumps(fig, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
