@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from mistakes import Mistake, assignments_with_catalogues, catalogue  # noqa: E402
 
 ASSIGNMENTS = sorted(p.name for p in (REPO / "solutions").iterdir() if p.is_dir())
-TIMEOUT = 15  # per-cell limit for the round trip: the endless loop costs this, not 30 s
+TIMEOUT = 30  # per-cell limit (nbgrader_config.py's): a busy 2-core machine must not stop an honest cell
 # Tampering is handled before and around nbgrader, the same way for every assignment: it is
 # planted in one assignment only, to keep the shared round trip short.
 TAMPERED = "causal_mask" if "causal_mask" in ASSIGNMENTS else ASSIGNMENTS[0]
@@ -317,7 +317,7 @@ def test_an_endless_loop_costs_bounded_time(graded):
     """The looping student's job ends within a few time limits (two cells call the loop at most)."""
     _, _, results, _ = graded
     r = results[(TAMPERED, "loop")]
-    assert r["seconds"] < 4 * TIMEOUT + 60, f"the looping submission took {r['seconds']:.0f} s"
+    assert r["seconds"] < 4 * TIMEOUT + 120, f"the looping submission took {r['seconds']:.0f} s"
 
 
 @pytest.mark.slow
@@ -428,25 +428,22 @@ def test_declared_time_limits(tmp_path):
     for gid, c in _ids(nb):
         if gid in answers:
             c["source"] = answers[gid]
-    # the learner tries to give their looping cell, and g's test, a long limit
-    _cell(nb, "solution_g")["metadata"]["gptlab"] = {"timeout": 600}
-    _cell(nb, "test_g")["metadata"]["gptlab"] = {"timeout": 600}
+    assert _cell(nb, "test_f")["metadata"]["gptlab"] == {"timeout": 20}  # the release keeps the declaration
     sub = course / "submitted" / "ann" / "tiny"
     sub.mkdir(parents=True)
-    (sub / "tiny.ipynb").write_text(json.dumps(nb))
 
     # plain nbgrader with the repository's configuration: f's test may sleep 4 s under a 2 s limit
-    plain = copy.deepcopy(nb)
-    for c in plain["cells"]:
-        c["metadata"].pop("gptlab", None)
-    (sub / "tiny.ipynb").write_text(json.dumps(plain))
+    (sub / "tiny.ipynb").write_text(json.dumps(nb))
     t0 = time.perf_counter()
     _nbgrader(course, "autograde", "tiny", "--force", "--Execute.timeout=2")
     assert time.perf_counter() - t0 < 60
     scores = {gid: s for (a, st, gid), s in _scores(course).items() if st == "ann"}
     assert scores == {"test_f": 1.0, "test_g": 0.0, "test_h": 1.0}
 
-    # course autograde ignores the learner's own declarations
+    # course autograde ignores the learner's own declarations: their looping cell, and g's test,
+    # asking for a long limit
+    _cell(nb, "solution_g")["metadata"]["gptlab"] = {"timeout": 600}
+    _cell(nb, "test_g")["metadata"]["gptlab"] = {"timeout": 600}
     (sub / "tiny.ipynb").write_text(json.dumps(nb))
     t0 = time.perf_counter()
     assert _run("autograde", "--course", str(course), "--timeout", "2", "--quiet") == 0

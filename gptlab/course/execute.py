@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import subprocess
 
+from jupyter_core.utils import run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import Execute
@@ -99,6 +100,8 @@ class GptlabExecute(Execute):
         # through the notebook's outputs, not there.
         kwargs.setdefault("stderr", subprocess.DEVNULL)
         return await super().async_start_new_kernel(**kwargs)
+
+    start_new_kernel = run_sync(async_start_new_kernel)
 
     # -- running cells -------------------------------------------------------------------------
 
