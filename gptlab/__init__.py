@@ -1,12 +1,13 @@
 """gptlab: the reference package of the gptlab course.
 
-The data's path through the package, one module per idea:
+The data's path through the package, one module per idea (ARCHITECTURE.md lists them all):
 
     text -> tokens (:mod:`gptlab.tokenizers`) -> batches (:mod:`gptlab.data`)
-         -> model (:mod:`gptlab.model`) -> logits -> loss (:mod:`gptlab.train`)
-                                                  -> samples (:mod:`gptlab.sampling`,
-                                                     :mod:`gptlab.generation`, :mod:`gptlab.kvcache`,
-                                                     :mod:`gptlab.speculative`) -> text
+         -> model (:mod:`gptlab.config`, :mod:`gptlab.layers`, :mod:`gptlab.masks`,
+                   :mod:`gptlab.rope`, :mod:`gptlab.attention`, :mod:`gptlab.model`)
+         -> logits -> loss (:mod:`gptlab.train`)
+                   -> samples (:mod:`gptlab.sampling`, :mod:`gptlab.kvcache`,
+                               :mod:`gptlab.generation`, :mod:`gptlab.speculative`) -> text
 """
 
 from .generation import beam_search, generate, stream

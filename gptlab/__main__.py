@@ -29,8 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     for module, _name in _COMMANDS:
         try:
             mod = importlib.import_module(module)
-        except ImportError:
-            continue
+        except ImportError as e:  # fail loudly: a command must not silently disappear
+            raise ImportError(f"python -m gptlab {_name}: its module {module} failed to import: {e}") from e
         if hasattr(mod, "register_cli"):
             mod.register_cli(sub)
     return parser

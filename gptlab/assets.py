@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import http.client
-import json
 import os
 import subprocess
 import sys
@@ -30,7 +29,9 @@ import urllib.request
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import IO, Iterator
+from typing import IO
+
+from .files import atomic_path, atomic_write_bytes, atomic_write_json, atomic_write_text  # re-exported
 
 __all__ = [
     "Asset",
@@ -176,47 +177,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
-
-    On an exception the temporary file is removed and ``path`` is left untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    os.chmod(tmp_path, 0o644)  # mkstemp's 0600 would otherwise carry over to the final file
-    try:
-        yield tmp_path
-        os.replace(tmp_path, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp_path.unlink()
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically (temporary file + :func:`os.replace`)."""
-    path = Path(path)
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    return path
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` atomically."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_write_json(path: str | os.PathLike, obj) -> Path:
-    """Write ``obj`` as indented UTF-8 JSON to ``path`` atomically."""
-    return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
 # --------------------------------------------------------------------------------------------

@@ -173,6 +173,17 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from e
 
 
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a truncated or foreign file raises CheckpointError
+    naming it (safetensors' own error names no file)."""
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises SafetensorError, OSError or ValueError by case
+        if isinstance(e, FileNotFoundError):
+            raise
+        raise CheckpointError(f"{path} is not a readable safetensors file (truncated or another format?): {e}") from e
+
+
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -443,7 +454,7 @@ def _build_model(ckpt: Path, cfg: dict) -> GPT:
     model = GPT(GPTConfig(**model_cfg))
     if not (ckpt / MODEL_FILE).is_file():
         raise CheckpointError(f"{ckpt}: {MODEL_FILE} is missing")
-    tensors = load_file(str(ckpt / MODEL_FILE))
+    tensors = _read_safetensors(ckpt / MODEL_FILE)
     _load_weights(model, tensors, dict(cfg.get("tied") or {}), ckpt)
     return model
 
@@ -503,17 +514,20 @@ def load_checkpoint(
         saved = GPTConfig(**cfg["model"])
         if saved != raw.config:
             raise CheckpointError(f"{ckpt}: the checkpoint's model config {saved} differs from the model's {raw.config}")
-        tensors = load_file(str(ckpt / MODEL_FILE))
+        tensors = _read_safetensors(ckpt / MODEL_FILE)
         _load_weights(raw, tensors, dict(cfg.get("tied") or {}), ckpt)
     if optimizer is not None:
         f = ckpt / OPTIMIZER_FILE
         if not f.is_file():
             raise CheckpointError(f"{ckpt}: {OPTIMIZER_FILE} is missing; this checkpoint cannot resume an optimiser")
-        with safe_open(str(f), framework="pt") as sf:
-            meta_s = (sf.metadata() or {}).get("gptlab_optimizer")
-            if meta_s is None:
-                raise CheckpointError(f"{f}: no 'gptlab_optimizer' metadata in the header")
-            tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                meta_s = (sf.metadata() or {}).get("gptlab_optimizer")
+                tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+        except Exception as e:  # as in _read_safetensors
+            raise CheckpointError(f"{f} is not a readable safetensors file (truncated or another format?): {e}") from e
+        if meta_s is None:
+            raise CheckpointError(f"{f}: no 'gptlab_optimizer' metadata in the header")
         state = optimizer_state_from_tensors(tensors, json.loads(meta_s))
         optimizer.load_state_dict(state)
     train_state = None

@@ -14,12 +14,11 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
 * Prompts of different lengths go in one batch *left-padded*, with ``attention_mask`` (B, T) (1 =
   real token). Positions come from the mask's cumulative sum, so each row generates exactly what it
   would alone.
-* Decode steps over an unpadded :class:`~gptlab.kvcache.StaticKVCache` run a lean step
-  (:class:`_FastDecodeStep`: the same weights and logits as ``GPT.forward``, without its per-call
-  generality, and with each matrix product split in row blocks over the CPU's cores), which is
-  what makes batch-1 decoding fast on a CPU; ``fast=False`` calls ``GPT.forward`` every step.
-  ``python -m gptlab bench generate`` measures both. Speculative decoding
-  (:mod:`gptlab.speculative`) runs its draft's steps and its target's verification on it too.
+* Every step calls the model's decoding API, :meth:`gptlab.GPT.decode` (its one forward path,
+  with a cache). On a CPU its linear layers split the few-token products of a decode step in row
+  blocks over the cores (:class:`gptlab.layers.Linear`), which is what makes batch-1 decoding
+  fast; ``fast=False`` turns that off. ``python -m gptlab bench generate`` measures both.
+  Speculative decoding (:mod:`gptlab.speculative`) calls the same API.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.
@@ -28,6 +27,7 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
 from __future__ import annotations
 
 import argparse
+import numbers
 import sys
 from collections.abc import Iterator, Sequence
 
@@ -35,54 +35,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .kvcache import ConcatKVCache, KVCache, SlidingWindowKVCache, StaticKVCache
-from .sampling import (
-    _check_min_p,
-    _check_top_k,
-    _check_top_p,
-    _real,
-    process_logits,
-    sample_next,
-)
+from .kvcache import CACHE_IMPLS, make_cache
+from .layers import row_split
+from .model import check_token_ids
+from .sampling import SamplingConfig
 
 __all__ = ["generate", "stream", "beam_search", "make_cache", "register_cli"]
-
-CACHE_IMPLS = ("static", "concat", "sliding")
 
 
 # --------------------------------------------------------------------------- helpers
 
 
-def make_cache(model, batch_size: int, max_len: int, impl: str = "static") -> KVCache:
-    """A KV cache for ``model`` holding up to ``max_len`` slots for ``batch_size`` rows.
-
-    ``impl``: ``"static"`` (pre-allocated, in place: the fast one), ``"concat"`` (grows by
-    ``torch.cat``: the teaching one) or ``"sliding"`` (keeps the last ``config.window_size`` slots;
-    needs a sliding-window model).
-    """
-    if impl == "static":
-        return StaticKVCache.for_model(model, batch_size, max_len)
-    if impl == "concat":
-        return ConcatKVCache(model.config.n_layer)
-    if impl == "sliding":
-        w = model.config.window_size
-        if w is None:
-            raise ValueError("cache='sliding' needs a model with config.window_size set, got window_size=None")
-        return SlidingWindowKVCache(model.config.n_layer, w)
-    raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {impl!r}")
-
-
 def _check_idx(model, idx: Tensor, attention_mask: Tensor | None) -> Tensor | None:
     """Validate the prompt; return the attention mask as int64, or None when nothing is padded."""
-    if not isinstance(idx, Tensor):
-        raise TypeError(f"idx must be a torch.Tensor of token ids (B, T), got {type(idx).__name__}")
-    if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
-        raise ValueError(f"idx must have shape (B, T) with B, T >= 1, got shape {tuple(idx.shape)}")
-    if idx.is_floating_point() or idx.dtype == torch.bool:
-        raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}")
-    V = model.config.vocab_size
-    if int(idx.min()) < 0 or int(idx.max()) >= V:
-        raise ValueError(f"idx holds token ids outside [0, {V}): min {int(idx.min())}, max {int(idx.max())}")
+    check_token_ids(idx, model.config.vocab_size)
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, Tensor) or tuple(attention_mask.shape) != tuple(idx.shape):
@@ -96,200 +62,26 @@ def _check_idx(model, idx: Tensor, attention_mask: Tensor | None) -> Tensor | No
     return None if bool(m.all()) else m
 
 
-def _eos_tensor(eos_token_id, device) -> Tensor | None:
+def _eos_tensor(eos_token_id, vocab_size: int, device) -> Tensor | None:
+    """The end-of-sequence ids as a tensor (n,), each checked to be in [0, vocab_size)."""
     if eos_token_id is None:
         return None
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"eos_token_id must be in [0, {vocab_size}) (the vocabulary), got {i}")
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-class _RowSplitLinear:
-    """``F.linear(x, weight, bias)`` for a few tokens, computed as ``parts`` row blocks of the
-    weight in one batched matrix product: x (..., in) -> (..., out).
-
-    Why: decoding multiplies a handful of vectors by each weight matrix, so a step is memory-bound
-    (every weight is read once) and BLAS runs such a product on one core. Split into row blocks,
-    ``torch.bmm`` hands each core its own block to stream, and a 2-core CPU reads the weights about
-    1.7x faster (``python -m gptlab bench generate`` reports the bare chains both ways). The blocks
-    are views of the model's own weight (no copy) and each output is the same dot product, so the
-    result equals ``F.linear``'s up to float rounding. ``parts=1`` (or a GPU) is plain ``F.linear``.
-    """
-
-    def __init__(self, weight: Tensor, bias: Tensor | None, parts: int = 1):
-        out, inp = weight.shape
-        p = max(1, parts)
-        while p > 1 and (out % p or out // p < 16):  # equal blocks, and not absurdly thin ones
-            p -= 1
-        if weight.device.type != "cpu" or not weight.is_contiguous():
-            p = 1
-        self.weight, self.bias, self.parts, self.out, self.inp = weight, bias, p, out, inp
-        if p > 1:
-            self.blocks = weight.detach().view(p, out // p, inp).transpose(1, 2)  # (P, in, out/P)
-            self.bias_blocks = None if bias is None else bias.detach().view(p, 1, out // p)  # (P, 1, out/P)
-
-    def __call__(self, x: Tensor) -> Tensor:
-        if self.parts == 1:
-            return F.linear(x, self.weight, self.bias)
-        lead = x.shape[:-1]
-        x2 = x.reshape(1, -1, self.inp).expand(self.parts, -1, -1)  # (P, N, in): a view
-        if self.bias_blocks is None:
-            y = torch.bmm(x2, self.blocks)  # (P, N, out/P)
-        else:
-            y = torch.baddbmm(self.bias_blocks, x2, self.blocks)
-        return y.transpose(0, 1).reshape(*lead, self.out)  # block p holds outputs p*out/P.. : a view for N=1
-
-
-def _lean_norm(module):
-    """A norm's ``forward`` without ``nn.Module.__call__``'s bookkeeping (GPT-2's LayerNorm reduced
-    to the kernel its ``forward`` calls)."""
-    from .model import LayerNorm
-
-    if type(module) is LayerNorm:
-        shape, w, b, eps = module.weight.shape, module.weight, module.bias, module.eps
-
-        def layer_norm(x):
-            return torch.layer_norm(x, shape, w, b, eps)
-
-        return layer_norm
-    return module.forward
-
-
-def _lean_mlp(module, parts: int):
-    """The feed-forward's ``forward`` (dropout off) with its two matrix products row-split."""
-    from .model import MLP, SwiGLU, new_gelu
-
-    fc = _RowSplitLinear(module.c_fc.weight, module.c_fc.bias, parts)
-    proj = _RowSplitLinear(module.c_proj.weight, module.c_proj.bias, parts)
-    if type(module) is MLP:
-
-        def mlp(x):
-            return proj(new_gelu(fc(x)))
-
-        return mlp
-    if type(module) is SwiGLU:
-
-        def swiglu(x):
-            gate, up = fc(x).chunk(2, dim=-1)
-            return proj(F.silu(gate) * up)
-
-        return swiglu
-    return module.forward
-
-
-class _FastDecodeStep:
-    """Decode steps (a few new tokens per row over a :class:`StaticKVCache`, no padding) of a
-    :class:`gptlab.GPT`, with the per-step Python overhead cut to the bone.
-
-    ``GPT.forward`` is general (any T, masks, padding, any cache); at batch 1 on a CPU its module
-    calls and bookkeeping cost about as much as the matrix products themselves. This step does the
-    same arithmetic with the same weights: the model's own norm kernels, its matrix products split
-    in row blocks over the CPU's cores (:class:`_RowSplitLinear`), and the attention of the new
-    queries written out (append k, v to the cache in place; attend to the filled prefix, or the
-    last ``window_size`` slots, causally within the new tokens). One token is a decode step; a few
-    (``T > 1``) are speculative decoding's verification pass. Tests check it against
-    ``GPT.forward`` for every model variant it accepts (:meth:`supports`) and both ways of
-    computing the products.
-
-    ``parts``: row blocks per weight matrix (default: ``torch.get_num_threads()`` on a CPU, 1 on
-    a GPU, where one kernel already uses the whole device).
-    """
-
-    def __init__(self, model, cache: StaticKVCache, parts: int | None = None):
-        from .model import apply_rope, slot_mask
-
-        c = model.config
-        device = model.lm_head.weight.device
-        if parts is None:
-            parts = torch.get_num_threads() if device.type == "cpu" else 1
-        self.parts = parts
-        self.apply_rope, self.slot_mask = apply_rope, slot_mask
-        self.model, self.cache = model, cache
-        self.nh, self.nkv, self.hd = c.n_head, c.kv_heads, c.head_dim
-        self.q_dim, self.kv_dim = c.n_head * c.head_dim, c.kv_heads * c.head_dim
-        self.rep = c.n_head // c.kv_heads
-        self.window = c.window_size
-        t = model.transformer
-        self.wte = t.wte.weight
-        self.wpe = t.wpe.weight if c.pos_emb == "learned" else None
-        self.rope = (model.rope_cos, model.rope_sin) if c.pos_emb == "rope" else None
-        self.ln_f = _lean_norm(t.ln_f)
-        self.head = _RowSplitLinear(model.lm_head.weight, None, parts)
-        self.blocks = [
-            (_lean_norm(b.ln_1), _RowSplitLinear(b.attn.c_attn.weight, b.attn.c_attn.bias, parts),
-             _RowSplitLinear(b.attn.c_proj.weight, b.attn.c_proj.bias, parts),
-             _lean_norm(b.ln_2), _lean_mlp(b.mlp, parts))
-            for b in t.h
-        ]
-        self._bind()
-
-    def _bind(self) -> None:
-        """The cache's per-layer buffers (rebound if the cache replaced its buffers)."""
-        self._k = self.cache.k
-        self.kv = [(self.cache.k[i], self.cache.v[i]) for i in range(len(self.blocks))]
-
-    @staticmethod
-    def supports(model, cache) -> bool:
-        """True for a plain :class:`gptlab.GPT` in eval mode: pre-norm, SDPA attention, no hooks."""
-        from .model import GPT
-
-        if type(model) is not GPT or model.training or not isinstance(cache, StaticKVCache):
-            return False
-        c = model.config
-        if not c.prenorm or c.attn_impl != "sdpa" or model.lm_head.bias is not None:
-            return False
-        for mod in model.modules():
-            if mod._forward_hooks or mod._forward_pre_hooks or getattr(mod, "record_weights", False):
-                return False
-        return True
-
-    def __call__(self, tok: Tensor, pos: int, last_only: bool = True) -> Tensor:
-        """tok (B, T) at slots ``pos..pos+T-1`` (``pos == cache.length``) -> next-token logits:
-        (B, V) for the last position if ``last_only``, else (B, T, V)."""
-        if self.cache.k is not self._k:
-            self._bind()
-        B, T = tok.shape
-        nh, nkv, hd, qd, kvd = self.nh, self.nkv, self.hd, self.q_dim, self.kv_dim
-        if pos + T > self.cache.max_len:
-            raise ValueError(f"the cache holds {self.cache.max_len} slots, got tokens up to slot {pos + T}")
-        x = F.embedding(tok, self.wte)  # (B, T, C)
-        if self.wpe is not None:
-            x = x + self.wpe[pos : pos + T]
-        cos = sin = None
-        if self.rope is not None:
-            cos, sin = self.rope[0][pos : pos + T], self.rope[1][pos : pos + T]  # (T, hd), broadcast
-        lo = max(0, pos + 1 - self.window) if self.window else 0  # the first query's oldest key
-        n_keys = pos + T - lo
-        # one query sees every key in [lo, pos]; several are causal (and windowed) among themselves
-        mask = None if T == 1 else self.slot_mask(pos, T, lo, n_keys, window=self.window, device=tok.device)
-        one_fused = T == 1 and nkv == nh
-        for (ln_1, attn, proj, ln_2, mlp), (K, Vc) in zip(self.blocks, self.kv):
-            qkv = attn(ln_1(x))  # (B, T, qd + 2 kvd)
-            if cos is not None:  # rotate the queries' and the keys' heads in one go
-                qk = qkv.narrow(2, 0, qd + kvd).view(B, T, nh + nkv, hd).transpose(1, 2)
-                qk = self.apply_rope(qk, cos, sin)  # (B, nh + nkv, T, hd)
-                q, k = qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv)
-                v = qkv.narrow(2, qd + kvd, kvd).view(B, T, nkv, hd).transpose(1, 2)
-            elif one_fused:  # with one token, (B, 1, h, hd) and (B, h, 1, hd) share their memory layout
-                q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
-            else:
-                q = qkv.narrow(2, 0, qd).view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-                k = qkv.narrow(2, qd, kvd).view(B, T, nkv, hd).transpose(1, 2)
-                v = qkv.narrow(2, qd + kvd, kvd).view(B, T, nkv, hd).transpose(1, 2)
-            K.narrow(2, pos, T).copy_(k)  # append to the cache, in place
-            Vc.narrow(2, pos, T).copy_(v)
-            ks, vs = K.narrow(2, lo, n_keys), Vc.narrow(2, lo, n_keys)
-            if self.rep > 1:
-                ks, vs = ks.repeat_interleave(self.rep, dim=1), vs.repeat_interleave(self.rep, dim=1)
-            y = F.scaled_dot_product_attention(q, ks, vs, attn_mask=mask)  # (B, nh, T, hd)
-            x = x + proj(y.transpose(1, 2).reshape(B, T, qd))
-            x = x + mlp(ln_2(x))
-        self.cache.length = pos + T
-        x = self.ln_f(x)
-        if last_only:
-            return self.head(x[:, -1])  # (B, V)
-        return self.head(x)  # (B, T, V)
+def _check_pad(pad_token_id, vocab_size: int) -> None:
+    if pad_token_id is None:
+        return
+    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
+        raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")
+    if not 0 <= pad_token_id < vocab_size:
+        raise ValueError(f"pad_token_id must be in [0, {vocab_size}), got {pad_token_id}")
 
 
 class _Runner:
@@ -300,14 +92,11 @@ class _Runner:
     """
 
     def __init__(self, model, batch: int, prompt_len: int, total_len: int, mask: Tensor | None,
-                 use_cache: bool, cache_impl: str, device, fast: bool = True):
+                 use_cache: bool, cache_impl: str, device):
         self.model = model
         self.block_size = model.config.block_size
         self.max_len = min(total_len, self.block_size)
         self.cache = make_cache(model, batch, self.max_len, cache_impl) if use_cache else None
-        self.fast = None
-        if fast and mask is None and self.cache is not None and _FastDecodeStep.supports(model, self.cache):
-            self.fast = _FastDecodeStep(model, self.cache)
         self.mask = self.positions = None
         if mask is not None:
             full = torch.ones(batch, total_len, dtype=torch.long, device=device)
@@ -320,14 +109,10 @@ class _Runner:
         model, cache = self.model, self.cache
         if cache is not None and cur <= self.max_len and cache.length < cur:
             start = cache.length
-            if self.fast is not None and start == cur - 1 and start > 0:
-                return self.fast(ids[:, start:cur], start)
             if self.mask is None:
-                out, _ = model(ids[:, start:cur], kv_cache=cache, last_only=True)
-            else:
-                out, _ = model(ids[:, start:cur], kv_cache=cache, last_only=True,
-                               position_ids=self.positions[:, start:cur], attention_mask=self.mask[:, :cur])
-            return out[:, -1, :]
+                return model.decode(ids[:, start:cur], cache)
+            return model.decode(ids[:, start:cur], cache, position_ids=self.positions[:, start:cur],
+                                attention_mask=self.mask[:, :cur])
         self.cache = None  # past block_size (or no cache): recompute the cropped window
         start = max(0, cur - self.block_size)
         if self.mask is None:
@@ -369,50 +154,24 @@ def _steps(
     out: Tensor,
     prompt_len: int,
     max_new_tokens: int,
-    *,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    min_p: float | None,
-    repetition_penalty: float | None,
-    frequency_penalty: float | None,
-    presence_penalty: float | None,
-    eos_token_id,
-    pad_token_id: int | None,
+    sampling: SamplingConfig,
+    eos: Tensor | None,
+    pad: int | None,
     use_cache: bool,
     cache: str,
     generator: torch.Generator | None,
     mask: Tensor | None,
-    fast: bool = True,
 ) -> Iterator[Tensor]:
     """The decode loop. Writes new tokens into ``out`` (B, T + max_new_tokens) and yields each
     step's tokens (B, 1) (a view of ``out``)."""
     B = out.shape[0]
     device = out.device
-    runner = _Runner(model, B, prompt_len, prompt_len + max_new_tokens, mask, use_cache, cache, device, fast)
-    eos = _eos_tensor(eos_token_id, device)
-    pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else None)
+    runner = _Runner(model, B, prompt_len, prompt_len + max_new_tokens, mask, use_cache, cache, device)
     done = torch.zeros(B, 1, dtype=torch.bool, device=device) if eos is not None else None
-    greedy = temperature == 0
-    penalties = any(
-        v is not None and v != neutral
-        for v, neutral in ((repetition_penalty, 1.0), (frequency_penalty, 0.0), (presence_penalty, 0.0))
-    )
-    plain_greedy = greedy and not penalties
     for cur in range(prompt_len, prompt_len + max_new_tokens):
         logits = runner.logits(out, cur)  # (B, V)
-        if plain_greedy:
-            nxt = logits.argmax(dim=-1, keepdim=True)
-        else:
-            pen_mask = None if runner.mask is None else runner.mask[:, :cur]
-            logits = process_logits(
-                logits.float(), out[:, :cur] if penalties else None,
-                temperature=1.0 if greedy else temperature,
-                top_k=None if greedy else top_k, top_p=None if greedy else top_p, min_p=None if greedy else min_p,
-                repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-                presence_penalty=presence_penalty, mask=pen_mask,
-            )
-            nxt = logits.argmax(dim=-1, keepdim=True) if greedy else sample_next(logits, generator)
+        pen_mask = None if runner.mask is None else runner.mask[:, :cur]
+        nxt = sampling.next_token(logits, out[:, :cur], pen_mask, generator)
         if done is not None:
             nxt = nxt.masked_fill(done, pad)
             done = done | torch.isin(nxt, eos)
@@ -422,26 +181,32 @@ def _steps(
             return
 
 
-def _setup(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, cache, attention_mask, pad_token_id):
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def _decoding(model, idx: Tensor, max_new_tokens: int, options: dict) -> tuple[Iterator[Tensor], Tensor, int]:
+    """Check the arguments of :func:`generate` / :func:`stream` (``options``: their keywords) and
+    return the decode loop, the output buffer (B, T + max_new_tokens) and the fast flag."""
     if not hasattr(model, "config") or not callable(model):
         raise TypeError(f"model must be a gptlab GPT, got {type(model).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    t = _real(temperature, "temperature")
-    if t < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    for v, check in ((top_k, _check_top_k), (top_p, _check_top_p), (min_p, _check_min_p)):
-        if v is not None:
-            check(v)
-    if cache not in CACHE_IMPLS:
-        raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {cache!r}")
-    if pad_token_id is not None and not 0 <= pad_token_id < model.config.vocab_size:
-        raise ValueError(f"pad_token_id must be in [0, {model.config.vocab_size}), got {pad_token_id}")
-    mask = _check_idx(model, idx, attention_mask)
+    sampling = SamplingConfig(**{k: options[k] for k in _SAMPLING})
+    if options["cache"] not in CACHE_IMPLS:
+        raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {options['cache']!r}")
+    V = model.config.vocab_size
+    _check_pad(options["pad_token_id"], V)
+    mask = _check_idx(model, idx, options["attention_mask"])
+    eos = _eos_tensor(options["eos_token_id"], V, idx.device)
+    pad = options["pad_token_id"]
+    if pad is None and eos is not None:
+        pad = int(eos[0])
     B, T = idx.shape
     out = torch.empty(B, T + max_new_tokens, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    return t, mask, out
+    steps = _steps(model, out, T, max_new_tokens, sampling, eos, pad, options["use_cache"], options["cache"],
+                   options["generator"], mask)
+    return steps, out, bool(options["fast"])
 
 
 def stream(
@@ -464,21 +229,16 @@ def stream(
     attention_mask: Tensor | None = None,
     fast: bool = True,
 ) -> Iterator[Tensor]:
-    """Like :func:`generate`, but yield each step's new tokens (B, 1) int64 as soon as they exist.
+    """Like :func:`generate` (same arguments), but yield each step's new tokens (B, 1) int64 as
+    soon as they exist.
 
     Stops after ``max_new_tokens`` steps, or once every row has emitted ``eos_token_id``.
     """
-    t, mask, out = _setup(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, cache,
-                          attention_mask, pad_token_id)
+    options = dict(locals())
+    steps, _, fast = _decoding(model, idx, max_new_tokens, options)
     with _EvalMode(model):
-        steps = _steps(
-            model, out, idx.shape[1], max_new_tokens, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            use_cache=use_cache, cache=cache, generator=generator, mask=mask, fast=fast,
-        )
         while True:
-            with torch.inference_mode():
+            with torch.inference_mode(), row_split(None if fast else 1):
                 tok = next(steps, None)
             if tok is None:
                 return
@@ -511,31 +271,28 @@ def generate(
         the filters top_k (keep the k best, ties kept), top_p (nucleus) and min_p.
     repetition_penalty (CTRL / HF, > 0), frequency_penalty and presence_penalty (OpenAI): applied
         first, over every token so far, prompt included (padding excluded).
-    eos_token_id: an id or ids that end a row. A finished row emits ``pad_token_id`` (default the
-        first eos id) from then on; generation stops early when every row is done, so
-        ``n <= max_new_tokens``.
+    eos_token_id: an id or ids (each in [0, vocab_size)) that end a row. A finished row emits
+        ``pad_token_id`` (default the first eos id) from then on; generation stops early when
+        every row is done, so ``n <= max_new_tokens``.
     use_cache / cache: KV cache on (``"static"``: pre-allocated, the fast default; ``"concat"``;
         ``"sliding"`` for sliding-window models) or off (recompute the whole context each step).
     generator: a ``torch.Generator`` for reproducible sampling.
     attention_mask: (B, T), 1 = real token, 0 = left padding. Each row's output equals generating
         that row alone.
-    fast: decode steps over an unpadded static cache skip ``GPT.forward``'s generality and run
-        :class:`_FastDecodeStep` (same weights, same kernels, same logits); ``False`` calls
-        ``model(...)`` for every step (the path the course derives first).
+    fast: on a CPU, split the decode steps' matrix products in row blocks over the cores
+        (:func:`gptlab.layers.row_split_linear`: the same products, summed in another order);
+        ``False`` runs plain ``F.linear``.
+
+    Logits holding NaN or only ``-inf`` (a diverged checkpoint) raise ``ValueError`` rather than
+    produce token 0.
     """
-    t, mask, out = _setup(model, idx, max_new_tokens, temperature, top_k, top_p, min_p, cache,
-                          attention_mask, pad_token_id)
-    T = idx.shape[1]
+    options = dict(locals())
+    steps, out, fast = _decoding(model, idx, max_new_tokens, options)
     n = 0
-    with _EvalMode(model), torch.inference_mode():
-        for _ in _steps(
-            model, out, T, max_new_tokens, temperature=t, top_k=top_k, top_p=top_p, min_p=min_p,
-            repetition_penalty=repetition_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-            use_cache=use_cache, cache=cache, generator=generator, mask=mask, fast=fast,
-        ):
+    with _EvalMode(model), torch.inference_mode(), row_split(None if fast else 1):
+        for _ in steps:
             n += 1
-    return out[:, : T + n].clone()
+    return out[:, : idx.shape[1] + n].clone()
 
 
 # --------------------------------------------------------------------------- beam search
@@ -552,8 +309,10 @@ def beam_search(
     pad_token_id: int | None = None,
     use_cache: bool = True,
     attention_mask: Tensor | None = None,
+    early_stopping: bool | str = False,
 ) -> Tensor:
-    """Beam search, as Hugging Face's ``generate(num_beams=num_beams, do_sample=False)``.
+    """Beam search, as Hugging Face's ``generate(num_beams=num_beams, do_sample=False,
+    early_stopping=early_stopping)``.
 
     idx (B, T) -> (B, T + n), the best finished hypothesis of each row, n <= max_new_tokens (rows
     shorter than the longest are filled with ``pad_token_id``, default the first eos id).
@@ -565,18 +324,29 @@ def beam_search(
     unfinished ones live on. A row stops (HF's default ``early_stopping=False`` heuristic) once it
     has ``num_beams`` finished hypotheses and its best live beam, length-normalised at the current
     length, cannot beat the worst of them.
+
+    ``early_stopping`` (Hugging Face's three modes): ``False`` is the heuristic above; ``True``
+    stops a row as soon as it has ``num_beams`` finished hypotheses; ``"never"`` estimates the
+    best live beam's score at the longest length it could reach (with ``length_penalty > 0``),
+    so a row stops only when no beam can possibly do better.
     """
+    if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
+        raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an int >= 1, got {num_beams!r}")
-    lp = _real(length_penalty, "length_penalty")
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real):
+        raise TypeError(f"length_penalty must be a real number, got {type(length_penalty).__name__} {length_penalty!r}")
+    lp = float(length_penalty)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1 for beam search, got {max_new_tokens!r}")
     mask = _check_idx(model, idx, attention_mask)
+    _check_pad(pad_token_id, model.config.vocab_size)
     device = idx.device
     B, T = idx.shape
     nb = num_beams
     total = T + max_new_tokens
-    eos = _eos_tensor(eos_token_id, device)
+    eos = _eos_tensor(eos_token_id, model.config.vocab_size, device)
+    stop_when_full = early_stopping is True
     n_eos = 0 if eos is None else eos.numel()
     K = max(2, 1 + n_eos) * nb
     fill = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
@@ -620,6 +390,7 @@ def beam_search(
             # finished hypotheses: only candidates in the top num_beams, only while improvable
             just = hits & top_nb[None, :]
             fin = topk_lp / ((cur + 1 - T) ** lp)
+            fin = fin + (finished.all(dim=-1, keepdim=True) & stop_when_full).to(torch.float32) * NEG
             fin = fin + (~improvable).to(torch.float32) * NEG
             fin = fin + (~just) * NEG
             m_seqs = torch.cat([seqs, cand], dim=1)
@@ -631,11 +402,12 @@ def beam_search(
             scores = torch.take_along_dim(m_scores, best, dim=1)
             finished = torch.take_along_dim(m_fin, best, dim=1)
             lengths = torch.take_along_dim(m_len, best, dim=1)
-            # HF's early-stopping heuristic (early_stopping=False)
-            best_running = running_scores[:, :1] / ((cur + 1 - T) ** lp)
+            # HF's early-stopping heuristic: can the best live beam still beat the worst finished one?
+            best_len = total - T if early_stopping == "never" and lp > 0.0 else cur + 1 - T
+            best_running = running_scores[:, :1] / (best_len**lp)
             worst = torch.where(finished, scores.min(dim=1, keepdim=True).values, NEG)
             improvable = improvable & (best_running > worst).any(dim=-1, keepdim=True)
-            if not bool(improvable.any()) or bool(hits.all()):
+            if not bool(improvable.any()) or bool(hits.all()) or (stop_when_full and bool(finished.all())):
                 break
             runner.reorder((parent + batch_offset).view(-1))
             flat = running.view(B * nb, total)
@@ -658,16 +430,10 @@ def _print_stream(tokenizer, ids: list[int], printed: str) -> str:
 
 
 def _cli_sample(args) -> int:
-    from .checkpoint import load_model  # engineer B's module; imported when the command runs
+    from .checkpoint import load_model  # only the command needs it (it imports safetensors)
+    from .device import pick_device
 
-    device = args.device
-    if device is None:
-        try:
-            from .device import pick_device
-
-            device = pick_device()
-        except ImportError:
-            device = "cpu"
+    device = args.device if args.device is not None else pick_device()
     model, tokenizer = load_model(args.ckpt, device=device)
     model.eval()
     dev = next(model.parameters()).device

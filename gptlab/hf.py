@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from .model import GPT, GPTConfig
+from .config import GPTConfig
 
-__all__ = ["from_hf", "to_hf", "config_from_hf"]
+__all__ = ["config_from_hf", "state_dict_from_hf", "to_hf"]  # GPT.from_hf builds the model
 
 _GPT2_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -34,6 +34,9 @@ def _rope_theta(cfg) -> float:
     if theta is None:
         theta = params.get("rope_theta", 10000.0)
     return float(theta)
+
+
+_GPT2_EOS = 50256  # GPT-2's <|endoftext|>
 
 
 def config_from_hf(hf_config) -> GPTConfig:
@@ -105,22 +108,18 @@ def config_from_hf(hf_config) -> GPTConfig:
 
 
 @torch.no_grad()
-def from_hf(hf_model) -> GPT:
-    """A gptlab :class:`GPT` with the weights of a HF ``GPT2LMHeadModel``,
-    ``OpenAIGPTLMHeadModel`` or ``LlamaForCausalLM``, in float32 on the HF model's device, in
-    eval mode. It computes the same logits (B, T, V) for the same token ids (B, T)."""
-    if not hasattr(hf_model, "config") or not hasattr(hf_model, "state_dict"):
-        raise TypeError(f"from_hf expects a transformers model (e.g. GPT2LMHeadModel), got {type(hf_model).__name__}")
-    config = config_from_hf(hf_model.config)
+def state_dict_from_hf(hf_model, config: GPTConfig, shapes: dict) -> dict:
+    """gptlab's state dict (float32 copies) for the weights of a HF ``GPT2LMHeadModel``,
+    ``OpenAIGPTLMHeadModel`` or ``LlamaForCausalLM`` whose config converts to ``config``;
+    ``shapes``: name -> shape of every entry of ``GPT(config).state_dict()`` (checked).
+    :meth:`gptlab.GPT.from_hf` builds the model from it."""
     # float32 copies (clone: the gptlab model must not share storage with the HF model)
     sd = {k: v.detach().to(torch.float32, copy=True) for k, v in hf_model.state_dict().items()}
     if config.pos_emb == "learned":
         if hf_model.config.model_type == "openai-gpt":
             sd = _rename_gpt1(sd)
-        own = _gpt2_state_dict(sd, config)
-    else:
-        own = _llama_state_dict(sd, config)
-    return GPT.from_state_dict(config, own, device=next(hf_model.parameters()).device)
+        return _gpt2_state_dict(sd, config, shapes)
+    return _llama_state_dict(sd, config)
 
 
 def _rename_gpt1(sd: dict) -> dict:
@@ -133,10 +132,8 @@ def _rename_gpt1(sd: dict) -> dict:
     return out
 
 
-def _gpt2_state_dict(sd: dict, config: GPTConfig) -> dict:
+def _gpt2_state_dict(sd: dict, config: GPTConfig, shapes: dict) -> dict:
     """gptlab's state dict from a HF GPT-2 one: same names, Conv1D (in, out) weights transposed."""
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in GPT(config).state_dict().items()}
     out = {}
     for key, shape in shapes.items():
         if key == "lm_head.weight" and config.tie_weights:
@@ -184,7 +181,7 @@ def _llama_state_dict(sd: dict, config: GPTConfig) -> dict:
 
 
 @torch.no_grad()
-def to_hf(model: GPT):
+def to_hf(model):
     """An equivalent HF ``GPT2LMHeadModel`` for a GPT-2 style gptlab model (LayerNorm, GELU,
     learned positions, pre-norm, tied weights, full attention). ``bias=False`` models export
     with zero biases, which computes the same function."""
@@ -219,6 +216,9 @@ def to_hf(model: GPT):
         attn_pdrop=c.dropout,
         layer_norm_epsilon=c.norm_eps,
         tie_word_embeddings=True,
+        # GPT2Config's defaults name GPT-2's <|endoftext|> (50256): only a token of this vocabulary
+        bos_token_id=_GPT2_EOS if c.vocab_size > _GPT2_EOS else None,
+        eos_token_id=_GPT2_EOS if c.vocab_size > _GPT2_EOS else None,
     )
     hf = GPT2LMHeadModel(hf_config)
     hf_sd = hf.state_dict()

@@ -35,34 +35,63 @@ __all__ = [
     "StaticKVCache",
     "SlidingWindowKVCache",
     "kv_cache_bytes",
+    "kv_cache_bytes_for",
+    "make_cache",
+    "CACHE_IMPLS",
 ]
+
+CACHE_IMPLS = ("static", "concat", "sliding")
 
 
 def kv_cache_bytes(
+    n_layer,
+    n_kv_head: int | None = None,
+    head_dim: int | None = None,
+    seq_len: int | None = None,
+    batch: int = 1,
+    bytes_per_elem: int = 4,
+    **config_kwargs,
+) -> int:
+    """Bytes a KV cache needs: ``2 (k and v) * n_layer * batch * n_kv_head * seq_len * head_dim
+    * bytes_per_elem``, all plain numbers (``bytes_per_elem``: 4 for float32, 2 for bfloat16).
+
+    Grouped-query attention caches ``n_kv_head < n_head`` heads, which divides the figure by
+    ``n_head / n_kv_head``. (``kv_cache_bytes(config, batch_size, seq_len, dtype, window)``, a
+    model config first, is :func:`kv_cache_bytes_for`.)
+    """
+    if not isinstance(n_layer, int):  # a config: the older spelling
+        args = [a for a in (n_kv_head, head_dim, seq_len) if a is not None]
+        return kv_cache_bytes_for(n_layer, *args, **config_kwargs)
+    for name, v in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim", head_dim),
+                    ("seq_len", seq_len), ("batch", batch), ("bytes_per_elem", bytes_per_elem)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seq_len" else 1):
+            raise ValueError(f"kv_cache_bytes: {name} must be an int >= {0 if name == 'seq_len' else 1}, got {v!r}")
+    return 2 * n_layer * batch * n_kv_head * seq_len * head_dim * bytes_per_elem
+
+
+def kv_cache_bytes_for(
     config,
     batch_size: int,
     seq_len: int,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
 ) -> int:
-    """Bytes a KV cache needs to hold ``seq_len`` tokens for ``batch_size`` sequences.
-
-    ``2 (k and v) * n_layer * batch * n_kv_head * min(seq_len, window) * head_dim * itemsize``.
-    Grouped-query attention (``n_kv_head < n_head``) divides it by ``n_head / n_kv_head``; a
-    sliding window caps the ``seq_len`` factor at ``window`` (default: ``config.window_size``).
-    """
+    """:func:`kv_cache_bytes` for a model config (a :class:`gptlab.GPTConfig`): ``seq_len`` tokens
+    for ``batch_size`` sequences in ``dtype``. A sliding window caps the ``seq_len`` factor at
+    ``window`` (default: ``config.window_size``)."""
     if batch_size < 1 or seq_len < 0:
         raise ValueError(f"expected batch_size >= 1 and seq_len >= 0, got {batch_size}, {seq_len}")
     window = window if window is not None else getattr(config, "window_size", None)
     kept = min(seq_len, window) if window else seq_len
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.n_layer * batch_size * config.kv_heads * kept * config.head_dim * itemsize
+    return kv_cache_bytes(config.n_layer, config.kv_heads, config.head_dim, kept, batch_size, itemsize)
 
 
 class KVCache:
     """Base class: the interface the attention layers use. See the module docstring."""
 
     length: int
+    offset: int = 0  # slot of the oldest entry kept (non-zero only once a sliding window evicts)
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Store ``k, v`` (B, n_kv_head, T, head_dim) for ``layer`` at slots ``length .. length+T-1``.
@@ -198,9 +227,10 @@ class StaticKVCache(KVCache):
             raise ValueError(f"KV cache full: {self.length} + {T} tokens > max_len={self.max_len}")
         if k.shape[0] != self.k.shape[1]:
             raise ValueError(f"cache holds batch {self.k.shape[1]}, got keys of batch {k.shape[0]}")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end], 0
+        K, V = self.k.select(0, layer), self.v.select(0, layer)  # (B, n_kv_head, max_len, head_dim)
+        K.narrow(2, self.length, T).copy_(k)  # in place
+        V.narrow(2, self.length, T).copy_(v)
+        return K.narrow(2, 0, end), V.narrow(2, 0, end), 0
 
     def crop(self, length):
         if length < 0:
@@ -219,3 +249,23 @@ class StaticKVCache(KVCache):
     @property
     def nbytes(self):
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+def make_cache(model, batch_size: int, max_len: int, impl: str = "static") -> KVCache:
+    """A KV cache for ``model`` (a :class:`gptlab.GPT`) holding up to ``max_len`` slots for
+    ``batch_size`` rows.
+
+    ``impl``: ``"static"`` (pre-allocated, in place: the fast one), ``"concat"`` (grows by
+    ``torch.cat``: the teaching one) or ``"sliding"`` (keeps the last ``config.window_size`` slots;
+    needs a sliding-window model).
+    """
+    if impl == "static":
+        return StaticKVCache.for_model(model, batch_size, max_len)
+    if impl == "concat":
+        return ConcatKVCache(model.config.n_layer)
+    if impl == "sliding":
+        w = model.config.window_size
+        if w is None:
+            raise ValueError("cache='sliding' needs a model with config.window_size set, got window_size=None")
+        return SlidingWindowKVCache(model.config.n_layer, w)
+    raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {impl!r}")

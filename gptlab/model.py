@@ -3,338 +3,83 @@
 Where this sits: tokens -> *model* -> logits -> loss or samples. ``GPT(config)(idx)`` maps token
 ids (B, T) to next-token logits (B, T, V).
 
+The parts live in their own modules, in the order the data meets them: :mod:`gptlab.config`
+(the hyper-parameters and variants), :mod:`gptlab.layers` (norms, MLPs, the linear layer),
+:mod:`gptlab.masks`, :mod:`gptlab.rope` and :mod:`gptlab.attention`. This module assembles them
+into a :class:`Block` and the :class:`GPT`, and re-exports them (``gptlab.model.causal_mask``
+works). :meth:`GPT.forward` is the model's one code path: training, a full forward, a prompt
+prefill and decode steps of one or several tokens over a KV cache (:meth:`GPT.decode`, what
+:mod:`gptlab.generation` and :mod:`gptlab.speculative` call) all run it.
+
 Names follow GPT-2's own (``wte``, ``wpe``, ``h``, ``ln_1``, ``attn.c_attn``, ``attn.c_proj``,
 ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``) so that loading real GPT-2 weights is
 a short, checkable mapping (see :mod:`gptlab.hf`).
-
-Configuration options a chapter teaches, each checked against a reference in ``tests/``:
-
-* ``norm``: ``"layernorm"`` (GPT-2, optional bias) or ``"rmsnorm"`` (Llama).
-* ``mlp``: ``"gelu"`` (GPT-2's tanh-approximated GELU) or ``"swiglu"`` (Llama).
-* ``pos_emb``: ``"learned"`` absolute positions (GPT-2) or ``"rope"`` rotary embeddings (Llama).
-* ``n_kv_head``: grouped-query attention (``1`` is multi-query attention).
-* ``prenorm``: pre-norm blocks (GPT-2) or post-norm blocks (GPT-1, the original transformer).
-* ``window_size``: sliding-window (local) attention.
-* ``attn_impl``: ``"sdpa"`` (PyTorch's fused ``scaled_dot_product_attention``) or ``"explicit"``
-  (softmax(QK^T / sqrt(d)) V written out, which can keep its attention weights for plotting).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import hf
+# The model's parts, each in its own module; re-exported here so ``gptlab.model.X`` keeps working.
+from .attention import CausalSelfAttention, attention, attention_weights, merge_heads, split_heads
+from .config import GPTConfig
 from .kvcache import KVCache
+from .layers import MLP, LayerNorm, Linear, RMSNorm, SwiGLU, gelu, layer_norm, new_gelu, rms_norm
+from .masks import additive_mask, causal_mask, combine_masks, slot_mask
+from .rope import apply_rope, rope_cache
 
 __all__ = [
     "GPTConfig",
     "GPT",
+    "Block",
+    "check_token_ids",
+    # re-exported from the modules that define them
     "causal_mask",
+    "additive_mask",
+    "combine_masks",
+    "slot_mask",
     "attention",
+    "attention_weights",
+    "split_heads",
+    "merge_heads",
+    "CausalSelfAttention",
     "LayerNorm",
     "RMSNorm",
     "MLP",
     "SwiGLU",
-    "CausalSelfAttention",
-    "Block",
+    "Linear",
+    "layer_norm",
+    "rms_norm",
+    "gelu",
     "new_gelu",
     "rope_cache",
     "apply_rope",
 ]
 
 
-@dataclass
-class GPTConfig:
-    """Hyper-parameters of a :class:`GPT`. The defaults are GPT-2 small's shape.
-
-    ``n_kv_head=None`` means ``n_head`` (plain multi-head attention). ``n_inner=None`` means
-    ``4 * n_embd`` for the GELU MLP and ``int(8/3 * n_embd)`` rounded up to a multiple of 64 for
-    SwiGLU (equal parameter count).
-    """
-
-    vocab_size: int = 50257
-    block_size: int = 1024
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True
-    n_kv_head: int | None = None
-    n_inner: int | None = None
-    norm: str = "layernorm"
-    norm_eps: float = 1e-5
-    mlp: str = "gelu"
-    pos_emb: str = "learned"
-    rope_theta: float = 10000.0
-    prenorm: bool = True
-    tie_weights: bool = True
-    window_size: int | None = None
-    attn_impl: str = "sdpa"
-    head_dim_override: int | None = field(default=None, repr=False)
-
-    def __post_init__(self):
-        def need(cond: bool, msg: str):
-            if not cond:
-                raise ValueError(f"GPTConfig: {msg}")
-
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
-        need(
-            self.n_embd % self.n_head == 0 or self.head_dim_override is not None,
-            f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})",
+def check_token_ids(idx: Tensor, vocab_size: int, name: str = "idx") -> None:
+    """Check a batch of token ids (B, T): a tensor, two dimensions with B, T >= 1, an integer
+    dtype, every id in [0, vocab_size). The error names what was expected, and for an id out of
+    range, the first such id, where it is and the vocabulary size."""
+    if not isinstance(idx, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids (B, T), got {type(idx).__name__}")
+    if idx.dim() != 2 or idx.shape[0] < 1 or idx.shape[1] < 1:
+        raise ValueError(f"{name} must have shape (B, T) with B, T >= 1, got shape {tuple(idx.shape)}")
+    if idx.is_floating_point() or idx.is_complex() or idx.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {idx.dtype}")
+    bad = ((idx < 0) | (idx >= vocab_size)).nonzero()
+    if len(bad):
+        b, t = (int(i) for i in bad[0])
+        raise ValueError(
+            f"token id {int(idx[b, t])} at {name}[{b}, {t}] is outside the vocabulary [0, {vocab_size}) "
+            f"(vocab_size={vocab_size}; {len(bad)} id(s) out of range)"
         )
-        kv = self.kv_heads
-        need(kv >= 1 and self.n_head % kv == 0, f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
-        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        need(self.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        need(self.mlp in ("gelu", "swiglu"), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
-        need(self.pos_emb in ("learned", "rope"), f"pos_emb must be 'learned' or 'rope', got {self.pos_emb!r}")
-        need(self.attn_impl in ("sdpa", "explicit"), f"attn_impl must be 'sdpa' or 'explicit', got {self.attn_impl!r}")
-        need(self.window_size is None or self.window_size >= 1, f"window_size must be >= 1, got {self.window_size}")
-        if self.pos_emb == "rope":
-            need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head if self.n_kv_head is not None else self.n_head
-
-    @property
-    def head_dim(self) -> int:
-        return self.head_dim_override or self.n_embd // self.n_head
-
-    @property
-    def inner_dim(self) -> int:
-        if self.n_inner is not None:
-            return self.n_inner
-        if self.mlp == "gelu":
-            return 4 * self.n_embd
-        return 64 * math.ceil(8 * self.n_embd / 3 / 64)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# --------------------------------------------------------------------------- masks and attention
-
-
-def causal_mask(T: int, device: torch.device | str | None = None) -> Tensor:
-    """Boolean (T, T) lower-triangular mask, True where attention is allowed.
-
-    Query ``i`` may attend to key ``j`` iff ``j <= i``: this is the convention of PyTorch's
-    ``scaled_dot_product_attention(attn_mask=...)`` (True = take part in attention).
-    """
-    if not isinstance(T, int) or T < 1:
-        raise ValueError(f"causal_mask: T must be a positive int, got {T!r}")
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
-
-
-def slot_mask(
-    q_start: int,
-    T: int,
-    k_start: int,
-    S: int,
-    *,
-    window: int | None = None,
-    key_padding: Tensor | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """The general attention mask for queries at slots ``q_start..q_start+T-1`` over keys at slots
-    ``k_start..k_start+S-1``: causal, optionally windowed, optionally without padded keys.
-
-    Returns a bool mask of shape (T, S), or (B, 1, T, S) when ``key_padding`` (B, S) is given
-    (True = real token). True = may attend.
-    """
-    q = torch.arange(q_start, q_start + T, device=device)[:, None]
-    k = torch.arange(k_start, k_start + S, device=device)[None, :]
-    mask = k <= q
-    if window is not None:
-        mask = mask & (k > q - window)
-    if key_padding is not None:
-        # A padded query attends to itself only, so no row is fully masked (which would give NaN);
-        # real queries never see padded keys.
-        mask = mask[None, None] & (key_padding[:, None, None, :].bool() | (k == q)[None, None])
-    return mask
-
-
-def attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    return_weights: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Scaled dot-product attention written out: ``softmax(q k^T / sqrt(d) + mask) v``.
-
-    q (..., T, d), k and v (..., S, d); ``mask`` broadcastable to (..., T, S), True where allowed.
-    Returns the output (..., T, d), and the attention weights (..., T, S) if ``return_weights``.
-    A query row whose keys are all masked gets all-zero weights (not NaN).
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ k.transpose(-2, -1)) * scale  # (..., T, S)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        weights = torch.nan_to_num(weights, nan=0.0)
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p)
-    out = weights @ v
-    return (out, weights) if return_weights else out
-
-
-# --------------------------------------------------------------------------- layers
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm over the last dimension with an optional bias (PyTorch's has no ``bias=False``
-    before 2.1). Equal to ``torch.nn.LayerNorm`` when ``bias=True``."""
-
-    def __init__(self, ndim: int, bias: bool = True, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama): ``x / sqrt(mean(x^2) + eps) * weight``, computed in float32."""
-
-    def __init__(self, ndim: int, eps: float = 1e-5):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same formula in one fused kernel (its backward too): ~25% faster CPU training
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def new_gelu(x: Tensor) -> Tensor:
-    """GPT-2's GELU, the tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
-    return F.gelu(x, approximate="tanh")
-
-
-class MLP(nn.Module):
-    """GPT-2's feed-forward: Linear(C, 4C) -> GELU(tanh) -> Linear(4C, C) -> dropout."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, config.inner_dim, bias=config.bias)
-        self.c_proj = nn.Linear(config.inner_dim, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(new_gelu(self.c_fc(x))))
-
-
-class SwiGLU(nn.Module):
-    """Llama's feed-forward: ``c_proj(silu(x W_gate) * (x W_up))``; gate and up fused in ``c_fc``
-    (its first half is the gate, its second half the up projection)."""
-
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 2 * config.inner_dim, bias=config.bias)
-        self.c_proj = nn.Linear(config.inner_dim, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return self.dropout(self.c_proj(F.silu(gate) * up))
-
-
-def rope_cache(
-    max_len: int, head_dim: int, theta: float = 10000.0, device=None, dtype=torch.float32
-) -> tuple[Tensor, Tensor]:
-    """cos and sin tables (max_len, head_dim) for rotary position embeddings (HF/Llama layout:
-    the two halves of each head are the rotated pairs)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    t = torch.arange(max_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # (max_len, head_dim/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (max_len, head_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (B, H, T, D) by the angles of its positions; cos, sin (B or 1, 1, T, D)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated = torch.cat([-x2, x1], dim=-1)
-    return x * cos + rotated * sin
-
-
-class CausalSelfAttention(nn.Module):
-    """Multi-head (or grouped-query) causal self-attention.
-
-    ``c_attn`` projects to queries (n_head heads) and keys and values (n_kv_head heads each) in
-    one matrix product; ``c_proj`` mixes the heads back. Set ``record_weights = True`` (explicit
-    path only) to keep the last attention weights in ``last_weights`` (B, n_head, T, S).
-    """
-
-    def __init__(self, config: GPTConfig, layer_idx: int = 0):
-        super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
-        self.layer_idx = layer_idx
-        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=config.bias)
-        self.c_proj = nn.Linear(q_dim, config.n_embd, bias=config.bias)
-        self.attn_dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
-        self.impl = config.attn_impl
-        self.record_weights = False
-        self.last_weights: Tensor | None = None
-        self._split = (q_dim, kv_dim, kv_dim)
-
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        rope: tuple[Tensor, Tensor] | None = None,
-        mask: Tensor | None = None,
-        is_causal: bool = True,
-        kv_cache: KVCache | None = None,
-    ) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(self._split, dim=2)
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if kv_cache is not None:
-            k, v, _ = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd)
-        if self.n_kv_head != self.n_head:
-            rep = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        dropout_p = self.attn_dropout if self.training else 0.0
-        if self.impl == "explicit" or self.record_weights:
-            m = mask
-            if m is None and is_causal:
-                m = slot_mask(k.shape[2] - T, T, 0, k.shape[2], device=x.device)
-            y, w = attention(q, k, v, m, dropout_p, return_weights=True)
-            if self.record_weights:
-                self.last_weights = w.detach()
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None
-            )
-        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hd)
-        return self.resid_dropout(self.c_proj(y))
 
 
 def _norm(config: GPTConfig) -> nn.Module:
@@ -383,14 +128,13 @@ class GPT(nn.Module):
         self.config = config
         parts = dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
             ln_f=_norm(config) if config.prenorm else nn.Identity(),
         )
         if config.pos_emb == "learned":
             parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(parts)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # weight tying (Press & Wolf, 2017)
         if config.pos_emb == "rope":
@@ -510,6 +254,19 @@ class GPT(nn.Module):
             if targets.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"targets must hold integer token ids (torch.long), got dtype {targets.dtype}")
 
+    def _embed(self, idx: Tensor) -> Tensor:
+        """Token embeddings (B, T, C); an id outside [0, vocab_size) is named in a ValueError."""
+        V = self.config.vocab_size
+        if idx.device.type == "cpu":  # the CPU lookup checks the ids itself: explain only a failure
+            try:
+                return self.transformer.wte(idx)
+            except IndexError:
+                pass
+        elif not bool(((idx < 0) | (idx >= V)).any()):  # elsewhere a bad id is a device-side assert
+            return self.transformer.wte(idx)
+        check_token_ids(idx, V)  # names the id out of range
+        return self.transformer.wte(idx)  # not an id problem: the lookup raises its own error
+
     def forward(
         self,
         idx: Tensor,
@@ -535,35 +292,37 @@ class GPT(nn.Module):
         B, T = idx.shape
         device = idx.device
         c = self.config
-        if position_ids is None:
-            position_ids = torch.arange(start, start + T, device=device).unsqueeze(0)  # (1, T)
-        x = self.transformer.wte(idx)  # (B, T, C)
+        x = self._embed(idx)  # (B, T, C)
         if c.pos_emb == "learned":
-            x = x + self.transformer.wpe(position_ids)
-        x = self.transformer.drop(x)
+            pos = torch.arange(start, start + T, device=device) if position_ids is None else position_ids
+            x = x + self.transformer.wpe(pos)
+        if self.training and c.dropout > 0.0:
+            x = F.dropout(x, c.dropout)
         rope = None
         if c.pos_emb == "rope":
-            rope = (self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1))
+            if position_ids is None:  # (T, hd), broadcast over batch and heads
+                rope = (self.rope_cos.narrow(0, start, T), self.rope_sin.narrow(0, start, T))
+            else:  # each row its own positions: (B, 1, T, hd)
+                rope = (self.rope_cos[position_ids].unsqueeze(1), self.rope_sin[position_ids].unsqueeze(1))
 
-        # One mask for all layers. Fast paths: no mask at all (is_causal, or one query over a full
-        # unpadded cache, which may attend to everything).
-        mask, is_causal = None, True
+        # One mask for all layers, over the keys at slots key_start .. S-1: the first slot the
+        # oldest new query may see (the cache's oldest, or the sliding window's edge).
         S = start + T
-        k_start = getattr(kv_cache, "offset", 0) if kv_cache is not None else 0
+        key_start = kv_cache.offset if kv_cache is not None else 0
+        if c.window_size is not None:
+            key_start = max(key_start, start + 1 - c.window_size)
+        mask, is_causal = None, True
         if attention_mask is not None:
             if attention_mask.shape != (B, S):
                 raise ValueError(f"attention_mask must have shape (B, S)=({B}, {S}), got {tuple(attention_mask.shape)}")
-            pad = attention_mask[:, k_start:S] if k_start else attention_mask
-            mask = slot_mask(start, T, k_start, S - k_start, window=c.window_size, key_padding=pad, device=device)
-        elif c.window_size is not None and S - k_start > 1:
-            mask = slot_mask(start, T, k_start, S - k_start, window=c.window_size, device=device)
-        elif start > 0:
-            if T == 1:
-                is_causal = False  # the newest token may see every cached one
-            else:
-                mask = slot_mask(start, T, 0, S, device=device)
+            mask = slot_mask(start, T, key_start, S - key_start, window=c.window_size,
+                             key_padding=attention_mask[:, key_start:S], device=device)
+        elif T == 1:
+            is_causal = False  # one query may see every key from key_start on
+        elif start > 0 or c.window_size is not None:
+            mask = slot_mask(start, T, key_start, S - key_start, window=c.window_size, device=device)
         for block in self.transformer.h:
-            x = block(x, rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache)
+            x = block(x, rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache, key_start=key_start)
         if kv_cache is not None:
             kv_cache.advance(T)
         x = self.transformer.ln_f(x)
@@ -575,6 +334,29 @@ class GPT(nn.Module):
         if last_only:
             x = x[:, -1:, :]
         return self.lm_head(x), None
+
+    def decode(
+        self,
+        idx: Tensor,
+        kv_cache: KVCache,
+        *,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        last_only: bool = True,
+    ) -> Tensor:
+        """The decoding API: feed the new tokens idx (B, T) after the ``kv_cache.length`` tokens
+        the cache holds, and return next-token logits: (B, V) for the last position if
+        ``last_only``, else (B, T, V) (speculative decoding's verification pass).
+
+        A prompt prefill (T = prompt length), a decode step (T = 1) and a chunk of several tokens
+        are the same call. It is :meth:`forward` with a cache (so the same code path), without
+        targets. ``position_ids`` and ``attention_mask`` are as in :meth:`forward` (left padding).
+        """
+        if kv_cache is None:
+            raise ValueError("decode needs a kv_cache (see gptlab.kvcache); use model(idx) without one")
+        logits, _ = self(idx, kv_cache=kv_cache, position_ids=position_ids, attention_mask=attention_mask,
+                         last_only=last_only)
+        return logits[:, -1] if last_only else logits
 
     # ---- optimiser
 
@@ -589,18 +371,23 @@ class GPT(nn.Module):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
-    # ---- Hugging Face interop (implemented in gptlab.hf)
+    # ---- Hugging Face interop (the conversions live in gptlab.hf)
 
     @classmethod
+    @torch.no_grad()
     def from_hf(cls, hf_model) -> "GPT":
-        """Build a gptlab model from a ``transformers`` ``GPT2LMHeadModel`` (Conv1D weights
-        transposed, tied embeddings kept tied) or ``LlamaForCausalLM``; same logits."""
-        from .hf import from_hf
-
-        return from_hf(hf_model)
+        """A gptlab model with the weights of a ``transformers`` ``GPT2LMHeadModel`` (Conv1D
+        weights transposed, tied embeddings kept tied), ``OpenAIGPTLMHeadModel`` or
+        ``LlamaForCausalLM``, in float32 on the HF model's device, in eval mode: same logits
+        (B, T, V) for the same ids (B, T)."""
+        config = hf.config_from_hf(getattr(hf_model, "config", None)) if hasattr(hf_model, "state_dict") else None
+        if config is None:
+            raise TypeError(f"from_hf expects a transformers model (e.g. GPT2LMHeadModel), got {type(hf_model).__name__}")
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in cls(config).state_dict().items()}
+        own = hf.state_dict_from_hf(hf_model, config, shapes)
+        return cls.from_state_dict(config, own, device=next(hf_model.parameters()).device)
 
     def to_hf(self):
         """An equivalent ``transformers`` ``GPT2LMHeadModel`` (GPT-2 style configs only)."""
-        from .hf import to_hf
-
-        return to_hf(self)
+        return hf.to_hf(self)

@@ -22,6 +22,7 @@ presence penalties), temperature, top-k, top-p, min-p.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -39,6 +40,8 @@ __all__ = [
     "process_logits",
     "sample_next",
     "sample_from_probs",
+    "check_drawn",
+    "SamplingConfig",
 ]
 
 _NEG_INF = float("-inf")
@@ -289,13 +292,109 @@ def process_logits(
     return logits
 
 
+def check_drawn(logits: Tensor, tokens: Tensor) -> None:
+    """Raise ``ValueError`` if a row's chosen token is not a real choice: logits (B, V), tokens
+    (B, 1). A row of logits holding NaN, or only ``-inf``, is no distribution; the arg-max or a
+    draw from it returns some id (often 0) whose logit is NaN or ``-inf``, and a diverged model
+    would emit that id forever. Costs one gather and one comparison."""
+    ok = logits.gather(-1, tokens) > float("-inf")  # False for -inf and for NaN
+    if not bool(ok.all()):
+        _not_a_distribution(logits, int((~ok).nonzero()[0, 0]))
+
+
+def _not_a_distribution(logits: Tensor, row: int) -> None:
+    what = "NaN" if bool(logits[row].isnan().any()) else "no finite value (every token filtered out or -inf)"
+    raise ValueError(
+        f"the logits of row {row} hold {what}: they are no distribution to pick a token from "
+        f"(a diverged or corrupted model gives NaN logits; check the checkpoint)"
+    )
+
+
 def sample_next(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Draw one token per row from softmax(logits): logits (B, V) -> token ids (B, 1) int64.
 
-    ``generator`` (a ``torch.Generator`` on the logits' device) makes the draw reproducible.
+    ``generator`` (a ``torch.Generator`` on the logits' device) makes the draw reproducible. A row
+    holding NaN or only ``-inf`` raises ``ValueError`` (:func:`check_drawn`), as
+    ``torch.multinomial`` does, instead of returning token 0.
     """
     _check_logits(logits, exact_2d=True)
-    return sample_from_probs(torch.softmax(logits.float(), dim=-1), generator)
+    probs = torch.softmax(logits.float(), dim=-1)
+    tokens = sample_from_probs(probs, generator)
+    ok = probs.gather(-1, tokens) > 0  # a drawn token of probability 0 or NaN: no distribution
+    if not bool(ok.all()):
+        _not_a_distribution(logits, int((~ok).nonzero()[0, 0]))
+    return tokens
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The decoding settings of :func:`process_logits`, checked once when built (a bad value
+    raises ``ValueError`` naming the expected range): temperature (0 = greedy), top_k, top_p,
+    min_p, repetition_penalty, frequency_penalty, presence_penalty. ``None`` = off."""
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+    def __post_init__(self):
+        t = _real(self.temperature, "temperature")
+        if t < 0 or t != t:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        object.__setattr__(self, "temperature", t)
+        for name, check in (("top_k", _check_top_k), ("top_p", _check_top_p), ("min_p", _check_min_p)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, check(getattr(self, name)))
+        if self.repetition_penalty is not None and _real(self.repetition_penalty, "repetition_penalty") <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) is not None:
+                _real(getattr(self, name), name)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def penalties(self) -> bool:
+        """True if a penalty is set to a value that changes the logits."""
+        return any(
+            v is not None and v != neutral
+            for v, neutral in ((self.repetition_penalty, 1.0), (self.frequency_penalty, 0.0),
+                               (self.presence_penalty, 0.0))
+        )
+
+    def process(self, logits: Tensor, input_ids: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
+        """:func:`process_logits` with these settings: logits (B, V) -> (B, V); ``input_ids``
+        (B, T) and ``mask`` (B, T) feed the penalties."""
+        return process_logits(
+            logits, input_ids, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+            min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty, mask=mask,
+        )
+
+    def next_token(
+        self,
+        logits: Tensor,
+        input_ids: Tensor | None = None,
+        mask: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """The next token of each row: logits (B, V) -> ids (B, 1). Greedy is the arg-max (of the
+        penalised logits, if penalties are set); otherwise a draw after every filter."""
+        if self.greedy and not self.penalties:
+            tokens = logits.argmax(dim=-1, keepdim=True)
+            check_drawn(logits, tokens)
+            return tokens
+        processed = self.process(logits.float(), input_ids if self.penalties else None, mask)
+        if self.greedy:  # process() kept the arg-max only
+            tokens = processed.argmax(dim=-1, keepdim=True)
+            check_drawn(processed, tokens)
+            return tokens
+        return sample_next(processed, generator)
 
 
 def sample_from_probs(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:

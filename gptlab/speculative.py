@@ -26,7 +26,7 @@ How many tokens a round yields. If every guess were accepted independently with 
 probability ``alpha`` (for a context-free pair of models ``alpha = sum_x min(p(x), q(x))``), the
 number of accepted guesses is a geometric variable truncated at ``g`` and the expected number of
 tokens per target forward pass is ``(1 - alpha^(g+1)) / (1 - alpha)``
-(:func:`expected_tokens_per_round`). :class:`SpeculativeStats` measures both sides of that formula.
+(:func:`expected_tokens_per_pass`). :class:`SpeculativeStats` measures both sides of that formula.
 """
 
 from __future__ import annotations
@@ -37,14 +37,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .generation import _FastDecodeStep
 from .kvcache import StaticKVCache
-from .sampling import sample_from_probs
+from .model import GPT
+from .sampling import SamplingConfig, sample_from_probs
 
-__all__ = ["speculative_generate", "SpeculativeStats", "expected_tokens_per_round", "verify_draft"]
+__all__ = [
+    "speculative_generate",
+    "SpeculativeStats",
+    "accept_prob",
+    "residual_distribution",
+    "speculative_step",
+    "expected_tokens_per_pass",
+    "expected_tokens_per_round",
+    "verify_draft",
+]
 
 
-def expected_tokens_per_round(alpha: float, g: int) -> float:
+def expected_tokens_per_pass(alpha: float, g: int) -> float:
     """Expected tokens per target forward pass, ``(1 - alpha^(g+1)) / (1 - alpha)``.
 
     Assumes each of the ``g`` guesses is accepted independently with probability ``alpha``
@@ -58,6 +67,9 @@ def expected_tokens_per_round(alpha: float, g: int) -> float:
     if alpha == 1.0:
         return float(g + 1)
     return (1.0 - alpha ** (g + 1)) / (1.0 - alpha)
+
+
+expected_tokens_per_round = expected_tokens_per_pass  # the name the tests and the benchmark first used
 
 
 @dataclass
@@ -96,7 +108,7 @@ class SpeculativeStats:
         """Per-guess acceptance probability, estimated from the accept/reject decisions actually
         made: ``accepted / (accepted + rejections)``. A round stops at its first rejection, so the
         guesses after it are never judged; this is the maximum-likelihood estimate of ``alpha``
-        in the i.i.d. model of :func:`expected_tokens_per_round` (it differs from
+        in the i.i.d. model of :func:`expected_tokens_per_pass` (it differs from
         :attr:`acceptance_rate`, which counts unjudged guesses as not accepted)."""
         acc = sum(self.accepted)
         rejections = sum(1 for a, d in zip(self.accepted, self.drafted) if a < d)
@@ -110,9 +122,9 @@ class SpeculativeStats:
 
     @property
     def predicted_tokens_per_target_forward(self) -> float:
-        """:func:`expected_tokens_per_round` at the measured :attr:`alpha` and ``g``."""
+        """:func:`expected_tokens_per_pass` at the measured :attr:`alpha` and ``g``."""
         a = self.alpha
-        return float("nan") if math.isnan(a) else expected_tokens_per_round(a, self.num_draft_tokens)
+        return float("nan") if math.isnan(a) else expected_tokens_per_pass(a, self.num_draft_tokens)
 
     @classmethod
     def combine(cls, stats: list["SpeculativeStats"]) -> "SpeculativeStats":
@@ -157,6 +169,71 @@ def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
     return sample_from_probs(probs, generator).squeeze(-1)
 
 
+def accept_prob(p: Tensor, q: Tensor, token: Tensor) -> Tensor:
+    """The probability of keeping a draft token: ``min(1, p[token] / q[token])``.
+
+    p, q (..., V): the target's and the draft's distributions at the same positions; token (...)
+    the draft's guesses (int64), drawn from q (so ``q[token] > 0``). Returns (...) floats.
+    """
+    idx = token.long().unsqueeze(-1)
+    return (p.gather(-1, idx) / q.gather(-1, idx)).clamp(max=1.0).squeeze(-1)
+
+
+def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
+    """Where to draw from after a rejection: ``max(0, p - q)`` normalised, (..., V) -> (..., V).
+
+    This is what makes the output follow ``p`` exactly: it adds back the probability that
+    ``min(p, q)`` (what acceptance passes on) leaves out. Where ``p == q`` up to rounding (a
+    rejection of probability ~0) it falls back on ``p``.
+    """
+    residual = (p - q).clamp_min(0.0)
+    total = residual.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p / p.sum(-1, keepdim=True))
+
+
+def speculative_step(
+    target_probs: Tensor,
+    draft_probs: Tensor | None,
+    draft_tokens: Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, int]:
+    """Judge ``g`` draft tokens against the target: the heart of speculative decoding.
+
+    Args:
+        target_probs: (g + 1, V) the target's processed distributions after each prefix (the
+            last row is the bonus position). For greedy decoding raw logits do: only the argmax
+            is used.
+        draft_probs: (g, V) the draft's processed distributions the guesses were drawn from, or
+            ``None`` for greedy decoding (keep guesses while they are the target's argmax).
+        draft_tokens: (g,) int64, the draft's guesses ``x_1..x_g``.
+        generator: random source for the accept tests and the correction draw.
+
+    Returns:
+        ``(accepted_tokens, n_accepted)``: the tokens this round adds, (n_accepted + 1,) int64,
+        i.e. the first ``n_accepted`` guesses (each kept with :func:`accept_prob`, stopping at the
+        first rejection) followed by one token of the target's: drawn from
+        :func:`residual_distribution` after a rejection, from ``target_probs[g]`` (the bonus) when
+        all ``g`` were accepted, or the argmax in the greedy case.
+    """
+    p, q = target_probs, draft_probs
+    g = draft_tokens.shape[0]
+    if p.shape[0] != g + 1:
+        raise ValueError(f"target_probs must have g + 1 = {g + 1} rows (one per guess plus the bonus), got {p.shape[0]}")
+    if q is None:  # greedy: keep guesses while they are the target's argmax
+        best = p.argmax(dim=-1)  # (g+1,)
+        k = int((draft_tokens == best[:g]).long().cumprod(0).sum()) if g else 0
+        return torch.cat([draft_tokens[:k], best[k : k + 1]]), k
+    if q.shape != (g, p.shape[1]):
+        raise ValueError(f"draft_probs must have shape (g, V) = ({g}, {p.shape[1]}), got {tuple(q.shape)}")
+    dev = generator.device if generator is not None else p.device
+    r = torch.rand(g, generator=generator, device=dev).to(p.device)
+    ok = (r < accept_prob(p[:g], q, draft_tokens)).long()  # accept with probability min(1, p/q)
+    k = int(ok.cumprod(0).sum()) if g else 0
+    last = p[g : g + 1] if k == g else residual_distribution(p[k], q[k])[None]
+    token = _multinomial(last, generator)  # (1,)
+    return torch.cat([draft_tokens[:k], token.to(draft_tokens.dtype)]), k
+
+
 def verify_draft(
     draft_tokens: Tensor,
     q: Tensor | None,
@@ -164,53 +241,16 @@ def verify_draft(
     *,
     generator: torch.Generator | None = None,
 ) -> tuple[int, Tensor]:
-    """Judge ``g`` draft tokens against the target: the heart of speculative decoding.
-
-    Args:
-        draft_tokens: (g,) the draft's guesses ``x_1..x_g``.
-        q: (g, V) the draft's processed distributions the guesses were drawn from, or ``None`` for
-            greedy decoding.
-        p: (g + 1, V) the target's processed distributions at the same positions plus one. For
-            greedy decoding ``p`` may be raw logits: only its argmax is used.
-        generator: random source for the accept tests and the correction draw.
-
-    Returns:
-        ``(k, token)``: the number of leading guesses accepted (0..g) and the one token the target
-        adds, a 0-d tensor: drawn from ``normalize(max(0, p_k - q_k))`` after a rejection, from
-        ``p_g`` (the bonus) when all ``g`` were accepted, or the argmax in the greedy case.
-    """
-    g = draft_tokens.shape[0]
-    if p.shape[0] != g + 1:
-        raise ValueError(f"p must have g + 1 = {g + 1} rows (one per guess plus the bonus), got {p.shape[0]}")
-    if q is None:  # greedy: keep guesses while they are the target's argmax
-        best = p.argmax(dim=-1)  # (g+1,)
-        ok = (draft_tokens == best[:g]).long()
-        k = int(ok.cumprod(0).sum()) if g else 0
-        return k, best[k]
-    if q.shape != (g, p.shape[1]):
-        raise ValueError(f"q must have shape (g, V) = ({g}, {p.shape[1]}), got {tuple(q.shape)}")
-    rows = torch.arange(g, device=p.device)
-    p_x = p[rows, draft_tokens]  # (g,)
-    q_x = q[rows, draft_tokens]  # (g,) > 0: each guess was drawn from q
-    dev = generator.device if generator is not None else p.device
-    r = torch.rand(g, generator=generator, device=dev).to(p.device)
-    ok = (r * q_x < p_x).long()  # r < p/q, i.e. accept with probability min(1, p/q)
-    k = int(ok.cumprod(0).sum()) if g else 0
-    if k == g:
-        return k, _multinomial(p[g : g + 1], generator)[0]
-    residual = (p[k] - q[k]).clamp_min(0.0)
-    total = residual.sum()
-    if not total > 0:  # p == q up to rounding: the rejection had probability ~0; fall back on p
-        residual, total = p[k], p[k].sum()
-    return k, _multinomial((residual / total)[None], generator)[0]
+    """:func:`speculative_step` returning ``(k, token)``: the number of accepted guesses and the
+    target's own token (0-d). draft_tokens (g,), q (g, V) or None (greedy), p (g + 1, V)."""
+    tokens, k = speculative_step(p, q, draft_tokens, generator)
+    return k, tokens[k]
 
 
 # --------------------------------------------------------------------------- the decoding loop
 
 
-def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens, temperature, top_k, top_p):
-    from .model import GPT
-
+def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
     for name, m in (("target", target), ("draft", draft)):
         if not isinstance(m, GPT):
             raise TypeError(f"{name} must be a gptlab GPT model, got {type(m).__name__}")
@@ -235,12 +275,6 @@ def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens, temperat
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-    if not isinstance(temperature, (int, float)) or temperature < 0 or math.isnan(temperature):
-        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, (int, float)) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
     total = idx.shape[1] + max_new_tokens
     for name, m in (("target", target), ("draft", draft)):
         if total > m.config.block_size:
@@ -283,14 +317,15 @@ def speculative_generate(
         ``(ids, stats)``: ids (1, T + max_new_tokens), the prompt followed by the new tokens, and a
         :class:`SpeculativeStats`. Both models are put in eval mode for the call and restored after.
     """
-    _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens, temperature, top_k, top_p)
-    greedy = temperature == 0
-    if not greedy:
-        from .sampling import process_logits
+    _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens)
+    try:
+        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    except TypeError as e:  # a non-number: the same error type as any other bad setting here
+        raise ValueError(str(e)) from None
+    greedy = sampling.greedy
 
-        def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
-            logits = process_logits(logits.float(), temperature=temperature, top_k=top_k, top_p=top_p)
-            return torch.softmax(logits, dim=-1)
+    def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
+        return torch.softmax(sampling.process(logits.float()), dim=-1)
 
     device = next(target.parameters()).device
     T0 = idx.shape[1]
@@ -309,16 +344,10 @@ def speculative_generate(
         # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
         tcache = StaticKVCache.for_model(target, 1, end)
         dcache = StaticKVCache.for_model(draft, 1, end)
-        # Decode steps of small models on a CPU are mostly per-call overhead and single-core matrix
-        # products: use the lean step of gptlab.generation (same weights, same logits as
-        # GPT.forward, products split over the cores) for the draft's guesses and the target's
-        # verification pass, where it applies.
-        dfast = _FastDecodeStep(draft, dcache) if _FastDecodeStep.supports(draft, dcache) else None
-        tfast = _FastDecodeStep(target, tcache) if _FastDecodeStep.supports(target, tcache) else None
         n = T0
         if n > 1:  # prefill everything but the last prompt token, which opens round one
-            target(seq[None, : n - 1], kv_cache=tcache, last_only=True)
-            draft(seq[None, : n - 1], kv_cache=dcache, last_only=True)
+            target.decode(seq[None, : n - 1], tcache)
+            draft.decode(seq[None, : n - 1], dcache)
             stats.target_forwards += 1
             stats.draft_forwards += 1
         while n < end:
@@ -327,10 +356,7 @@ def speculative_generate(
             guesses, qs = [], []
             x = seq[None, dcache.length : n]  # what the draft has not seen yet (1 or 2 tokens)
             for _ in range(g):
-                if dfast is not None:
-                    logits = dfast(x, dcache.length)  # (1, V)
-                else:
-                    logits = draft(x, kv_cache=dcache, last_only=True)[0][:, -1]  # (1, V)
+                logits = draft.decode(x, dcache)  # (1, V)
                 stats.draft_forwards += 1
                 if greedy:
                     tok = logits.argmax(dim=-1)  # (1,)
@@ -343,19 +369,15 @@ def speculative_generate(
             draft_tokens = torch.cat(guesses) if guesses else seq.new_empty(0)  # (g,)
             # 2. the target scores the last token and all g guesses in one forward pass
             cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
-            if tfast is not None:
-                tlogits = tfast(cand, tcache.length, last_only=False)[0]  # (g+1, V)
-            else:
-                tlogits = target(cand, kv_cache=tcache)[0][0]  # (g+1, V)
+            tlogits = target.decode(cand, tcache, last_only=False)[0]  # (g+1, V)
             stats.target_forwards += 1
             # 3. keep the agreed prefix, add one target token
             if greedy:
-                k, token = verify_draft(draft_tokens, None, tlogits)
+                tokens, k = speculative_step(tlogits, None, draft_tokens)
             else:
                 q_all = torch.cat(qs) if qs else tlogits.new_empty(0, tlogits.shape[-1])  # (g, V)
-                k, token = verify_draft(draft_tokens, q_all, probs(tlogits), generator=generator)
-            seq[n : n + k] = draft_tokens[:k]
-            seq[n + k] = token
+                tokens, k = speculative_step(probs(tlogits), q_all, draft_tokens, generator)
+            seq[n : n + k + 1] = tokens
             n += k + 1
             stats.drafted.append(g)
             stats.accepted.append(k)

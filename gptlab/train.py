@@ -22,21 +22,19 @@ The loop, as in nanoGPT:
   (DistributedDataParallel: rank 0 logs and saves, every rank draws its own batches).
 
 Use :data:`RECIPES` + :func:`train`, or ``python -m gptlab train --recipe NAME --out DIR``.
+The run's settings, the recipes and :func:`lr_at` live in :mod:`gptlab.train_config`; the metrics
+file and plot in :mod:`gptlab.metrics`; this module is the loop (re-exporting those names).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
-import math
 import os
 import sys
 import time
-import types
-import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +44,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoint import (
-    load_checkpoint, load_model, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state, unwrap_model,
+    load_checkpoint, load_model, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state,
 )
 from .device import pick_device
-from .model import GPT, GPTConfig
+from .metrics import plot_metrics, read_metrics, write_metrics
+from .model import GPT
+from .train_config import RECIPES, TrainConfig, get_recipe, lr_at
 
 __all__ = [
     "TrainConfig",
@@ -63,219 +63,6 @@ __all__ = [
     "read_metrics",
     "register_cli",
 ]
-
-
-# --------------------------------------------------------------------------------------------
-# configuration
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainConfig:
-    """Everything a training run needs besides its output folder.
-
-    Model: ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``, ``bias`` and any other
-    :class:`GPTConfig` field through ``model_kwargs`` (e.g. ``{"norm": "rmsnorm"}``); the
-    vocabulary size comes from the data. Tokens per optimiser step:
-    ``batch_size * grad_accum * block_size`` (times the number of DDP processes).
-    """
-
-    # model
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    dropout: float = 0.0
-    bias: bool = False
-    model_kwargs: dict = field(default_factory=dict)
-    # data
-    dataset: str = "shakespeare-char"
-    data_dir: str | None = None
-    # optimisation
-    batch_size: int = 12
-    grad_accum: int = 1
-    max_steps: int = 2000
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 100
-    lr_decay_steps: int | None = None  # None: max_steps
-    beta1: float = 0.9
-    beta2: float = 0.99
-    weight_decay: float = 0.1
-    grad_clip: float | None = 1.0
-    # distillation: also match a trained teacher's next-token distributions (a speculative draft)
-    teacher: str | None = None  # a run folder or checkpoint (gptlab.checkpoint.load_model); None: off
-    distill_weight: float = 1.0  # loss = (1 - w) * cross-entropy + w * KL(teacher || model)
-    # evaluation, logging, checkpoints
-    eval_interval: int = 250
-    eval_tokens: int | None = None  # None: the whole validation split
-    eval_batch_size: int = 64  # windows per evaluation forward pass
-    eval_at_start: bool = True
-    target_loss: float | None = None  # stop as soon as val_loss <= target_loss
-    checkpoint_interval: int | None = None  # also save every N steps (always at the end)
-    save: bool = True
-    progress: bool = True
-    plot: bool = True
-    # system
-    seed: int = 1337
-    device: str = "auto"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    compile: bool = False
-    fused_adamw: bool | None = None  # None: fused on CUDA
-    num_threads: int | None = None  # torch CPU threads; None: torch's default
-
-    def __post_init__(self) -> None:
-        _validate(self)
-
-    def with_overrides(self, **overrides: Any) -> "TrainConfig":
-        """A copy with some fields replaced; unknown names or wrong types raise clear errors."""
-        known = [f.name for f in dataclasses.fields(self)]
-        unknown = [k for k in overrides if k not in known]
-        if unknown:
-            raise ValueError(f"unknown training option(s) {unknown}; known options: {', '.join(known)}")
-        return dataclasses.replace(self, **overrides)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Tokens per optimiser step in one process."""
-        return self.batch_size * self.grad_accum * self.block_size
-
-    def model_config(self, vocab_size: int) -> GPTConfig:
-        """The :class:`GPTConfig` of the model this run trains."""
-        kw = dict(self.model_kwargs)
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"):
-            if name in kw:
-                raise ValueError(f"model_kwargs must not set {name!r}: it is a TrainConfig field")
-        return GPTConfig(vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         block_size=self.block_size, dropout=self.dropout, bias=self.bias, **kw)
-
-
-def _type_ok(value: Any, hint: Any) -> bool:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        return any(_type_ok(value, h) for h in typing.get_args(hint))
-    if hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict:
-        return isinstance(value, dict)
-    return True
-
-
-def _validate(c: TrainConfig) -> None:
-    hints = typing.get_type_hints(TrainConfig)
-    for f in dataclasses.fields(c):
-        v = getattr(c, f.name)
-        if not _type_ok(v, hints[f.name]):
-            raise TypeError(f"TrainConfig.{f.name} must be {hints[f.name]}, got {v!r} ({type(v).__name__})")
-
-    def need(cond: bool, msg: str) -> None:
-        if not cond:
-            raise ValueError(f"TrainConfig: {msg}")
-
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
-                 "eval_interval", "eval_batch_size"):
-        need(getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
-    need(c.n_embd % c.n_head == 0, f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})")
-    need(0.0 <= c.dropout < 1.0, f"dropout must be in [0, 1), got {c.dropout}")
-    need(c.lr > 0 and math.isfinite(c.lr), f"lr must be a positive number, got {c.lr}")
-    need(0 <= c.min_lr <= c.lr, f"min_lr must be in [0, lr={c.lr}], got {c.min_lr}")
-    need(c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}")
-    need(c.lr_decay_steps is None or c.lr_decay_steps > c.warmup_steps,
-         f"lr_decay_steps ({c.lr_decay_steps}) must be larger than warmup_steps ({c.warmup_steps})")
-    need(0 <= c.beta1 < 1 and 0 <= c.beta2 < 1, f"betas must be in [0, 1), got ({c.beta1}, {c.beta2})")
-    need(c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}")
-    need(c.grad_clip is None or c.grad_clip > 0, f"grad_clip must be > 0 or None, got {c.grad_clip}")
-    need(c.eval_tokens is None or c.eval_tokens >= c.block_size,
-         f"eval_tokens must be None (whole split) or >= block_size ({c.block_size}), got {c.eval_tokens}")
-    need(c.checkpoint_interval is None or c.checkpoint_interval >= 1,
-         f"checkpoint_interval must be >= 1 or None, got {c.checkpoint_interval}")
-    need(c.target_loss is None or c.target_loss > 0, f"target_loss must be > 0 or None, got {c.target_loss}")
-    need(0.0 <= c.distill_weight <= 1.0, f"distill_weight must be in [0, 1], got {c.distill_weight}")
-    need(c.num_threads is None or c.num_threads >= 1, f"num_threads must be >= 1 or None, got {c.num_threads}")
-    need(c.dataset in DATASETS, f"unknown dataset {c.dataset!r}; known: {sorted(DATASETS)}")
-    need(c.dtype in ("auto", "float32", "bfloat16", "float16"),
-         f"dtype must be one of 'auto', 'float32', 'bfloat16', 'float16', got {c.dtype!r}")
-
-
-DATASETS = ("shakespeare-char",)
-
-# Recipes: named, tested configurations.
-RECIPES: dict[str, TrainConfig] = {
-    # nanoGPT's config/train_shakespeare_char.py (a "baby GPT", 10.7M parameters). nanoGPT reports
-    # a best validation loss of 1.4697 after about 3 minutes on one A100.
-    "shakespeare-char": TrainConfig(
-        n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False,
-        batch_size=64, grad_accum=1, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batch_size=64,
-    ),
-    # Tuned for a 2-core CPU: reach val loss <= 1.886 (what nanoGPT's CPU recipe, 4 layers x 128,
-    # block 64, batch 12, 2000 steps at lr 1e-3, reaches in ~61 s) in about half the time. Changes:
-    # Llama-style blocks (rotary positions, RMSNorm, SwiGLU), a narrower model (96 wide, 3.3 vs
-    # 5.2 MFLOP per token), context 128, batch 16, a 5x higher peak learning rate with a short
-    # warmup, 470 steps (0.40x nanoGPT's training FLOPs), and one evaluation, at the end, over the
-    # whole validation split (each costs ~5% of the run; add more with --eval-interval).
-    # Measured (whole val split, seed 1337): 1.849 after 470 steps (1.831 after 500, 1.880 after 420).
-    "shakespeare-char-cpu": TrainConfig(
-        n_layer=4, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
-        model_kwargs={"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
-        batch_size=16, grad_accum=1, max_steps=470, lr=5e-3, min_lr=5e-4, warmup_steps=30,
-        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=470, eval_batch_size=128,
-        eval_at_start=False,
-    ),
-    # The baseline the CPU recipe is measured against: nanoGPT's own CPU command
-    # (config/train_shakespeare_char.py with --device=cpu --compile=False --eval_iters=20
-    # --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000
-    # --lr_decay_iters=2000 --dropout=0.0), evaluated like nanoGPT (20 batches of 12 x 64 tokens
-    # every 250 steps). `python -m gptlab bench train --recipe nanogpt-cpu` times it on this machine.
-    "nanogpt-cpu": TrainConfig(
-        n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False,
-        batch_size=12, grad_accum=1, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
-        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_tokens=20 * 12 * 64,
-        eval_batch_size=12,
-    ),
-    # A seconds-long smoke test for tests and CI.
-    "tiny": TrainConfig(
-        n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=False,
-        batch_size=16, grad_accum=1, max_steps=200, lr=5e-3, min_lr=5e-4, warmup_steps=10,
-        beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=50, eval_tokens=8192,
-        eval_batch_size=128,
-    ),
-}
-
-
-def get_recipe(name: str, **overrides: Any) -> TrainConfig:
-    """The recipe ``name`` with ``overrides`` applied; an unknown name lists the known ones."""
-    if not isinstance(name, str) or name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
-    return RECIPES[name].with_overrides(**overrides)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate for optimiser step ``step`` (0-based).
-
-    Linear warmup ``lr * (step + 1) / (warmup_steps + 1)`` for ``step < warmup_steps``, then a
-    cosine from ``lr`` down to ``min_lr`` at ``lr_decay_steps`` (default ``max_steps``), then
-    ``min_lr`` (nanoGPT's schedule).
-    """
-    decay = cfg.lr_decay_steps or cfg.max_steps
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-    if step >= decay:
-        return cfg.min_lr
-    ratio = (step - cfg.warmup_steps) / (decay - cfg.warmup_steps)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
-    return cfg.min_lr + coeff * (cfg.lr - cfg.min_lr)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,61 +146,6 @@ def _setup_dist(device_name: str) -> _Dist:
         torch.cuda.set_device(local)
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     return _Dist(rank, local, world, owns_group=True)
-
-
-# --------------------------------------------------------------------------------------------
-# metrics and plot
-# --------------------------------------------------------------------------------------------
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` file (one dict per evaluation)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
-
-
-def _write_jsonl_atomic(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def plot_metrics(rows: list[dict], path: str | os.PathLike, title: str | None = None) -> Path:
-    """Plot train and validation loss against step into a PNG at ``path`` (written atomically).
-
-    Uses matplotlib's Agg canvas directly, so it never changes the pyplot backend.
-    """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    steps = [r["step"] for r in rows]
-    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
-    if tr:
-        ax.plot([s for s, _ in tr], [v for _, v in tr], marker="o", ms=3, label="train")
-    ax.plot(steps, [r["val_loss"] for r in rows], marker="o", ms=3, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss (nats / token)")
-    if title:
-        ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, path)
-    return path
 
 
 # --------------------------------------------------------------------------------------------
@@ -736,7 +468,7 @@ class Trainer:
             raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
         if self.dist.master:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            _write_jsonl_atomic(self.metrics_path, self.rows)  # drops rows past a resumed step
+            write_metrics(self.metrics_path, self.rows)  # drops rows past a resumed step
         self._barrier()
         self._t0 = time.perf_counter()
         self._eval_s = 0.0

@@ -225,3 +225,24 @@ def test_bad_inputs(tmp_path):
     other = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=16))
     with pytest.raises(CheckpointError, match="differs"):
         load_checkpoint(tmp_path / "ck2", other)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "not_safetensors"])
+def test_damaged_weights_file_names_the_file(tmp_path, damage):
+    """A truncated or foreign model.safetensors raises the package's CheckpointError with the path,
+    not safetensors' bare header error; the same for optimizer.safetensors."""
+    model = tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model(idx())[0].sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path / "ck", model, optimizer=opt)
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        f = tmp_path / "ck" / name
+        good = f.read_bytes()
+        f.write_bytes(good[: len(good) // 3] if damage == "truncate" else b"PK\x03\x04 a zip, not weights")
+        with pytest.raises(CheckpointError, match=rf"{name} is not a readable safetensors file"):
+            if name == "model.safetensors":
+                load_model(tmp_path / "ck")
+            else:
+                load_checkpoint(tmp_path / "ck", tiny(), optimizer=torch.optim.AdamW(tiny().parameters()))
+        f.write_bytes(good)

@@ -57,3 +57,11 @@ def test_unknown_command_is_an_error(capsys):
         main(["no-such-command"])
     assert exc.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_a_command_whose_module_fails_to_import_fails_loudly(monkeypatch):
+    import gptlab.__main__ as cli
+
+    monkeypatch.setattr(cli, "_COMMANDS", [*cli._COMMANDS, ("gptlab._no_such_module", "ghost")])
+    with pytest.raises(ImportError, match=r"gptlab ghost: its module gptlab\._no_such_module failed to import"):
+        build_parser()

@@ -90,7 +90,8 @@ def test_generation_stops_when_every_row_is_done(model):
     free = generate(model, idx, 20, temperature=0)
     eos = int(free[0, 4 + 2])
     first = int((free[0, 4:] == eos).nonzero()[0])
-    out = generate(model, idx, 20, temperature=0, eos_token_id=[eos, V + 7])
+    never = next(t for t in range(V) if t not in free[0, 4:].tolist())  # a second eos id never emitted
+    out = generate(model, idx, 20, temperature=0, eos_token_id=[eos, never])
     assert out.shape == (1, 4 + first + 1) and int(out[0, -1]) == eos
     assert [int(t[0, 0]) for t in stream(model, idx, 20, temperature=0, eos_token_id=eos)] == out[0, 4:].tolist()
 
@@ -321,3 +322,64 @@ def test_cli_sample_with_a_draft_decodes_speculatively(tmp_path, capsys):
     with pytest.raises(SystemExit, match="vocabulary"):
         main(["sample", "--ckpt", str(tmp_path / "t"), "--draft", str(tmp_path / "o"), "--prompt", "abc",
               "--max-new-tokens", "5", "--device", "cpu"])
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_early_stopping_modes_match_hf(model, hf, prompts, early_stopping):
+    """transformers' three early-stopping modes, with eos ids the beams really emit (so rows finish
+    hypotheses at different steps) and several length penalties."""
+    outs = {}
+    for step in (1, 3):
+        eos = int(beam_search(model, prompts, 12, 3)[0, 5 + step])
+        for lpen in (1.0, 2.0, -1.0):
+            ours = beam_search(model, prompts, 12, 3, length_penalty=lpen, eos_token_id=eos,
+                               early_stopping=early_stopping)
+            ref = _hf_generate(hf, prompts, max_new_tokens=12, do_sample=False, num_beams=3, length_penalty=lpen,
+                               eos_token_id=eos, pad_token_id=eos, early_stopping=early_stopping)
+            assert torch.equal(ours, ref), (step, lpen)
+            outs[step, lpen] = ours
+    # the modes really differ on these inputs (else this test would not tell them apart)
+    others = [m for m in (False, True, "never") if m != early_stopping]
+    assert any(
+        not torch.equal(outs[key], beam_search(model, prompts, 12, 3, length_penalty=key[1],
+                                               eos_token_id=int(beam_search(model, prompts, 12, 3)[0, 5 + key[0]]),
+                                               early_stopping=other))
+        for key in outs for other in others
+    )
+    with pytest.raises(ValueError, match="early_stopping"):
+        beam_search(model, prompts, 4, 2, early_stopping="sometimes")
+
+
+def test_eos_and_pad_outside_the_vocabulary_are_errors(model, prompts):
+    for kw in (dict(eos_token_id=V), dict(eos_token_id=[3, -1]), dict(pad_token_id=V)):
+        with pytest.raises(ValueError, match=rf"must be in \[0, {V}\)"):
+            generate(model, prompts, 3, temperature=0, **kw)
+        with pytest.raises(ValueError, match=rf"must be in \[0, {V}\)"):
+            beam_search(model, prompts, 3, 2, **kw)
+        with pytest.raises(ValueError, match=rf"must be in \[0, {V}\)"):
+            next(stream(model, prompts, 3, temperature=0, **kw))
+
+
+def test_token_ids_outside_the_vocabulary_are_named(model):
+    bad = torch.tensor([[1, 2, V + 3, 4]])
+    for call in (lambda: model(bad), lambda: generate(model, bad, 2), lambda: beam_search(model, bad, 2, 2)):
+        with pytest.raises(ValueError, match=rf"token id {V + 3} at idx\[0, 2\] is outside the vocabulary \[0, {V}\)"):
+            call()
+    with pytest.raises(ValueError, match=rf"token id -1 at idx\[0, 0\] is outside the vocabulary"):
+        model(torch.tensor([[-1, 2]]))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("poison", ["nan", "-inf"])
+def test_nan_or_all_masked_logits_raise_instead_of_token_0(temperature, poison):
+    """A diverged model (NaN weights) or logits with no finite value: generation stops with a clear
+    error, as torch.multinomial would, instead of emitting token 0 forever."""
+    m = _model(seed=3)
+    with torch.no_grad():
+        if poison == "nan":
+            m.transformer.h[1].mlp.c_proj.weight[0, 0] = float("nan")
+    if poison == "-inf":  # every logit -inf
+        m.lm_head.register_forward_hook(lambda mod, inp, out: torch.full_like(out, float("-inf")))
+    idx = torch.randint(0, V, (2, 3), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="no distribution to pick a token from"):
+        generate(model=m, idx=idx, max_new_tokens=4, temperature=temperature)

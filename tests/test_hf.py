@@ -19,9 +19,11 @@ from transformers import (
     OpenAIGPTLMHeadModel,
 )
 
-from gptlab.hf import config_from_hf, from_hf, to_hf
+from gptlab.hf import config_from_hf, to_hf
 from gptlab.kvcache import StaticKVCache
 from gptlab.model import GPT, GPTConfig
+
+from_hf = GPT.from_hf
 
 ATOL = 1e-5
 
@@ -218,3 +220,23 @@ def test_config_from_hf_rejects_what_gptlab_cannot_compute():
         config_from_hf(transformers.BertConfig())
     with pytest.raises(TypeError, match=r"expects a transformers model.*got dict"):
         from_hf({})
+
+
+def test_to_hf_config_is_valid_for_a_small_vocabulary(capfd):
+    """GPT2Config's default bos/eos (GPT-2's <|endoftext|>, 50256) are only kept when the
+    vocabulary holds them; transformers then has nothing to warn about when generating."""
+    import warnings
+
+    torch.manual_seed(0)
+    small = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=1, n_head=2, n_embd=16)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf = small.to_hf()
+        assert hf.config.eos_token_id is None and hf.config.bos_token_id is None
+        idx = torch.zeros(1, 1, dtype=torch.long)
+        out = hf.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 4)
+    err = capfd.readouterr().err
+    assert "eos_token_id" not in err and "bos_token_id" not in err, err
+    big = GPT(GPTConfig(vocab_size=50257, block_size=16, n_layer=1, n_head=2, n_embd=16)).to_hf()
+    assert big.config.eos_token_id == big.config.bos_token_id == 50256

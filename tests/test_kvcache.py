@@ -194,35 +194,34 @@ def test_make_cache_choices():
 
 @pytest.mark.parametrize("parts", [1, 2, 3])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_fast_decode_step_equals_model_forward(variant, parts):
-    """generate's lean decode step (static cache, no padding) computes GPT.forward's logits, one
-    token at a time and a few at a time (speculative verification), with its matrix products
-    whole (parts=1) or split in row blocks over the cores (parts > 1)."""
-    from gptlab.generation import _FastDecodeStep
+def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
+    """The model's decode API (static cache, no padding) computes the full forward's logits, one
+    token at a time and a few at a time (speculative verification), for every variant, with its
+    matrix products whole (parts=1) or split in row blocks over the cores (parts > 1)."""
+    from gptlab import layers
 
+    calls = []
+    split = layers.row_split_linear
+    monkeypatch.setattr(layers, "row_split_linear", lambda *a: calls.append(a[3]) or split(*a))
     m = _model(**VARIANTS[variant])
     B, T0 = 2, 5
     ids = torch.randint(0, V, (B, T0 + 15), generator=torch.Generator().manual_seed(9))
-    cache = StaticKVCache.for_model(m, B)
-    if not _FastDecodeStep.supports(m, cache):
-        assert variant == "postnorm_explicit"  # falls back to GPT.forward
-        return
+    cache = StaticKVCache.for_model(m, B, T0 + 15)
     with torch.no_grad():
         full, _ = m(ids)
+    with torch.no_grad(), layers.row_split(parts):
         m(ids[:, :T0], kv_cache=cache)
-        step = _FastDecodeStep(m, cache, parts=parts)
-        if parts > 1:  # the split really happens (c_attn: 64 or 96 rows)
-            assert step.blocks[0][1].parts > 1
+        assert (len(calls) > 0) == (parts > 1)  # the split really happens (c_attn: 96 rows)
         for t in range(T0, 12):
-            logits = step(ids[:, t : t + 1], t)
+            logits = m.decode(ids[:, t : t + 1], cache)
             torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=0, msg=f"step {t}")
             assert cache.length == t + 1
         for t, n in ((12, 3), (15, 1), (16, 4)):  # chunks, causal within (and windowed)
-            logits = step(ids[:, t : t + n], t, last_only=False)
+            logits = m.decode(ids[:, t : t + n], cache, last_only=False)
             torch.testing.assert_close(logits, full[:, t : t + n], atol=1e-5, rtol=0, msg=f"chunk {t}+{n}")
             assert cache.length == t + n
-        with pytest.raises(ValueError, match="slots"):
-            step(ids[:, :5], cache.max_len - 2)
+        with pytest.raises(ValueError, match="KV cache full"):
+            m.decode(ids[:, :5], cache)
     idx = ids[:, :T0]
     assert torch.equal(generate(m, idx, 20, temperature=0, fast=True), generate(m, idx, 20, temperature=0, fast=False))
 
@@ -232,38 +231,69 @@ def test_fast_decode_step_equals_model_forward(variant, parts):
 def test_row_split_linear_equals_f_linear(shape, bias):
     """The row-block product equals F.linear for 1 and several tokens; a row count the parts do not
     divide (65) or too few rows (8) falls back to fewer parts, never to a wrong result."""
-    from gptlab.generation import _RowSplitLinear
+    from gptlab.layers import _row_parts, row_split_linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=g)
     b = torch.randn(shape[0], generator=g) if bias else None
     for parts in (1, 2, 3, 4):
-        lin = _RowSplitLinear(w, b, parts)
-        assert 1 <= lin.parts <= parts and shape[0] % lin.parts == 0
+        p = _row_parts(shape[0], parts)
+        assert 1 <= p <= parts and shape[0] % p == 0
         for lead in ((1, 1), (2, 1), (1, 5), (3, 4)):
             x = torch.randn(*lead, shape[1], generator=g)
-            torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    assert _RowSplitLinear(w, b, 2).parts == (2 if shape[0] == 96 else 1)
+            torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+    assert _row_parts(shape[0], 2) == (2 if shape[0] == 96 else 1)
 
 
-def test_fast_decode_step_not_used_with_hooks_or_training():
-    from gptlab.generation import _FastDecodeStep
+def test_linear_splits_only_small_cpu_products_without_autograd(monkeypatch):
+    """gptlab's Linear splits a decode step's product (few tokens, no autograd); training (autograd
+    on) and long prefills run F.linear, whatever the thread count."""
+    from gptlab import layers
 
+    calls = []
+    split = layers.row_split_linear
+    monkeypatch.setattr(layers, "row_split_linear", lambda *a: calls.append(1) or split(*a))
+    lin = layers.Linear(32, 96)
+    with layers.row_split(2):
+        lin(torch.randn(1, 32))  # autograd on: training
+        assert not calls
+        with torch.no_grad():
+            lin(torch.randn(1, layers.ROW_SPLIT_MAX_ROWS + 1, 32))  # a long prefill
+            assert not calls
+            y = lin(torch.randn(2, 3, 32))
+            assert len(calls) == 1 and y.shape == (2, 3, 96)
+    with torch.no_grad(), layers.row_split(1):
+        lin(torch.randn(1, 32))
+        assert len(calls) == 1
+    with pytest.raises(ValueError, match="parts"):
+        with layers.row_split(0):
+            pass
+
+
+def test_cached_decoding_runs_forward_hooks():
+    """Every decode step runs the model's own modules, so a forward hook changes cached decoding
+    exactly as it changes uncached decoding."""
     m = _model()
-    cache = StaticKVCache.for_model(m, 1)
-    assert _FastDecodeStep.supports(m, cache)
     idx = torch.randint(0, V, (1, 3), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = m(idx)[0]
     h = m.transformer.h[0].mlp.register_forward_hook(lambda mod, i, o: o * 0)
     try:
-        assert not _FastDecodeStep.supports(m, cache)
         with torch.no_grad():
             assert not torch.allclose(m(idx)[0], plain)  # the hook changes the model
-        # so cached decoding must go through GPT.forward, which runs the hook
-        assert torch.equal(generate(m, idx, 10, temperature=0), generate(m, idx, 10, temperature=0, use_cache=False))
+        hooked = generate(m, idx, 10, temperature=0)
+        assert torch.equal(hooked, generate(m, idx, 10, temperature=0, use_cache=False))
     finally:
         h.remove()
-    m.train()
-    assert not _FastDecodeStep.supports(m, cache)
-    assert not _FastDecodeStep.supports(m, ConcatKVCache(2))
+
+
+def test_kv_cache_bytes_plain_numbers():
+    """2 (k and v) * layers * batch * kv heads * tokens * head_dim * bytes per element."""
+    assert kv_cache_bytes(6, 6, 64, 256, 1, 4) == 2 * 6 * 6 * 64 * 256 * 4 == 4718592
+    assert kv_cache_bytes(n_layer=2, n_kv_head=1, head_dim=8, seq_len=10, batch=3, bytes_per_elem=2) == 2 * 2 * 3 * 10 * 8 * 2
+    cfg = _model(n_head=4, n_kv_head=2).config
+    assert kv_cache_bytes(cfg, 2, 30) == kv_cache_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, 30, 2, 4)
+    for bad in (dict(n_layer=0), dict(seq_len=-1), dict(bytes_per_elem=1.5)):
+        args = dict(n_layer=1, n_kv_head=1, head_dim=1, seq_len=1, batch=1, bytes_per_elem=4) | bad
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            kv_cache_bytes(**args)

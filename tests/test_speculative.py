@@ -387,3 +387,33 @@ def test_bench_speculative_quick_smoke(tmp_path):
         assert [r["g"] for r in rows] == [2, 3]
         assert all(0 <= r["acceptance_rate"] <= 1 and r["speedup_best"] > 0 for r in rows)
     assert out_png.stat().st_size > 1000
+
+
+def test_speculative_step_pieces():
+    """accept_prob = min(1, p/q) at the guess; the residual is normalised max(0, p - q); one step
+    returns the accepted guesses plus the target's token; the pass formula at its limits."""
+    from gptlab.speculative import accept_prob, expected_tokens_per_pass, residual_distribution, speculative_step
+
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
+    q = torch.tensor([[0.25, 0.6, 0.15], [0.1, 0.1, 0.8]])
+    torch.testing.assert_close(accept_prob(p, q, torch.tensor([0, 1])), torch.tensor([1.0, 0.1 / 0.1]))
+    torch.testing.assert_close(accept_prob(p[0], q[0], torch.tensor(1)), torch.tensor(0.5))
+    r = residual_distribution(p[0], q[0])
+    torch.testing.assert_close(r, torch.tensor([0.25, 0.0, 0.05]) / 0.30)
+    torch.testing.assert_close(residual_distribution(p[1], q[1]), p[1])  # p == q: falls back on p
+    # greedy: the guesses are kept while they are the target's argmax, then the target's own token
+    logits = torch.tensor([[0.0, 5.0, 1.0], [3.0, 0.0, 1.0], [0.0, 0.0, 9.0]])
+    toks, k = speculative_step(logits, None, torch.tensor([1, 2]))
+    assert k == 1 and toks.tolist() == [1, 0]
+    toks, k = speculative_step(logits, None, torch.tensor([1, 0]))
+    assert k == 2 and toks.tolist() == [1, 0, 2]
+    # sampled: a guess the target gives probability 1 and the draft too is always accepted
+    one = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0]])
+    toks, k = speculative_step(one, one[:1], torch.tensor([1]), torch.Generator().manual_seed(0))
+    assert k == 1 and toks.tolist() == [1, 1]
+    # a guess the target rules out is always rejected, and the correction comes from the residual
+    p2 = torch.tensor([[0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    toks, k = speculative_step(p2, torch.tensor([[0.5, 0.5, 0.0]]), torch.tensor([0]), torch.Generator().manual_seed(0))
+    assert k == 0 and toks.tolist() == [2]
+    assert expected_tokens_per_pass(1.0, 3) == 4.0 and expected_tokens_per_pass(0.0, 3) == 1.0
+    assert expected_tokens_per_pass(0.5, 2) == pytest.approx(1.75)

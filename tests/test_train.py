@@ -55,6 +55,14 @@ def test_lr_schedule_matches_warmup_and_torch_cosine():
     assert lr_at(60, cfg2) == pytest.approx(1e-4) and lr_at(35, cfg2) == pytest.approx((1e-3 + 1e-4) / 2)
 
 
+def test_lr_at_plain_numbers_equals_the_config_form():
+    cfg = TrainConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, max_steps=110)
+    for step in (0, 5, 9, 10, 37, 60, 109, 110, 500):
+        assert lr_at(step, 1e-3, 1e-4, 10, 110) == lr_at(step, cfg)
+    assert lr_at(3, 0.5, warmup=0) == 0.5  # no warmup, no decay: constant
+    assert lr_at(60, 1.0, 0.0, 10, 110) == pytest.approx(0.5)
+
+
 # ------------------------------------------------------------------------------------ optimiser
 
 

@@ -13,13 +13,14 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
   floor for a decode step, with each product run as PyTorch runs ``F.linear`` (one BLAS call, which
   for one vector uses one core);
 * ``bare_matvec_split`` (more than one CPU thread): the same chain with each product split in row
-  blocks over the cores, as gptlab's decode step runs it
-  (:class:`gptlab.generation._RowSplitLinear`). The floor for the half-rate target is the faster of
+  blocks over the cores, as gptlab's linear layers run a decode step's products
+  (:func:`gptlab.layers.row_split_linear`). The floor for the half-rate target is the faster of
   the two bare chains;
 * ``gptlab_uncached``, ``gptlab_concat``, ``gptlab_static_fwd`` and ``gptlab_cached``:
   :func:`gptlab.generate` without a cache, with the teaching :class:`~gptlab.kvcache.ConcatKVCache`,
-  with the :class:`~gptlab.kvcache.StaticKVCache` calling ``GPT.forward`` each step (``fast=False``),
-  and the default: static cache and the lean decode step (``fast=True``).
+  with the :class:`~gptlab.kvcache.StaticKVCache` and plain ``F.linear`` products (``fast=False``),
+  and the default: static cache, products split over the cores (``fast=True``). All four run the
+  model's one forward path (:meth:`gptlab.GPT.decode` with a cache).
 
 The contenders run interleaved, round after round, and each reports its best round (the least
 disturbed by other processes) and the median; the ratios that matter are computed from the best
@@ -31,14 +32,13 @@ Targets: gptlab cached >= 2x HF cached, and >= 0.5x the faster bare mat-vec chai
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ..files import atomic_path, atomic_write_json
 from . import machine_name
 
 __all__ = ["add_arguments", "run", "mini_model"]
@@ -71,7 +71,8 @@ def add_arguments(parser) -> None:
 
 
 def _contenders(model, hf, n_new: int, device) -> dict:
-    from ..generation import _RowSplitLinear, generate
+    from ..generation import generate
+    from ..layers import row_split_linear
 
     parts = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
@@ -123,8 +124,8 @@ def _contenders(model, hf, n_new: int, device) -> dict:
     def whole(w):  # one BLAS matrix-vector product per matrix, as PyTorch runs F.linear
         return lambda x: F.linear(x, w)
 
-    def split(w):  # the same products in row blocks over the cores, as gptlab's decode step runs them
-        return _RowSplitLinear(w, None, parts)
+    def split(w):  # the same products in row blocks over the cores, as gptlab's linear layers run them
+        return lambda x: row_split_linear(x, w, None, parts)
 
     out = {}
     if hf is not None:
@@ -257,10 +258,7 @@ def run(args) -> int:
             "same_tokens": same,
             "sweep": {"lengths": lengths, "tokens_per_s": sweep},
         }
-        tmp = f"{args.json}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(payload, f, indent=2)
-        os.replace(tmp, args.json)
+        atomic_write_json(args.json, payload)
         print(f"json: {args.json}")
     return 0
 
@@ -283,7 +281,6 @@ def _plot(path: str, lengths, sweep: dict, machine: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path + ".tmp.png"
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

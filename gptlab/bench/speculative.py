@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_path, atomic_write_text
 from . import machine_name
 
 __all__ = ["add_arguments", "run", "PRESETS", "trained_models"]
@@ -86,10 +87,7 @@ def _train_config(preset: str, role: str, teacher: str | None = None, device: st
 
 
 def _write_json_atomic(path: Path, obj) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str))
 
 
 def trained_models(preset: str = "default", models_dir: str | os.PathLike | None = None, device: str = "cpu"):
@@ -236,8 +234,6 @@ def _plot(results: dict, path: Path) -> None:
     ax.text(0.01, -0.16, results["machine"][:110], transform=ax.transAxes, fontsize=6, color="grey")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}{path.suffix}")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
-    os.replace(tmp, path)

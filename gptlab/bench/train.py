@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from ..files import atomic_write_text
 from . import machine_name
 
 __all__ = ["add_arguments", "run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
@@ -157,10 +157,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{fig['train_elapsed_s']:.1f} s")
     print(f"final val loss {fig['final_val_loss']:.4f}; wall time including setup {wall:.1f} s")
     if args.json:
-        p = Path(args.json)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(fig, indent=2) + "\n")
-        os.replace(tmp, p)
+        p = atomic_write_text(args.json, json.dumps(fig, indent=2) + "\n")
         print(f"wrote {p}")
     return 0

@@ -1,0 +1,95 @@
+"""The package's import graph: no cycles, and no module imports another module's private names."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "gptlab"
+
+
+def _modules() -> dict[str, Path]:
+    """The package's top-level modules (its subpackages are checked by their own tests)."""
+    return {("gptlab" if f.stem == "__init__" else f"gptlab.{f.stem}"): f for f in sorted(PKG.glob("*.py"))}
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes under ``if TYPE_CHECKING:`` (imports for annotations only, never run)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            skip |= {id(n) for child in node.body for n in ast.walk(child)}
+    return skip
+
+
+def _imports(name: str, path: Path, mods: dict) -> tuple[set[str], list[str]]:
+    """The package modules ``name`` imports (at any depth: module level or inside functions), and
+    the private names it imports from other modules."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skip = _type_checking_nodes(tree)
+    deps, private = set(), []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            deps |= {a.name for a in node.names if a.name in mods}
+        elif isinstance(node, ast.ImportFrom):
+            base = ("gptlab" + (f".{node.module}" if node.module else "")) if node.level else (node.module or "")
+            if not base.startswith("gptlab"):
+                continue
+            for a in node.names:
+                if f"{base}.{a.name}" in mods:  # from . import hf
+                    deps.add(f"{base}.{a.name}")
+                else:
+                    if base in mods:
+                        deps.add(base)
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        private.append(f"{name} imports {base}.{a.name}")
+    deps.discard(name)
+    return deps, private
+
+
+def _graph() -> tuple[dict[str, set[str]], list[str]]:
+    mods = _modules()
+    graph, private = {}, []
+    for name, path in mods.items():
+        graph[name], p = _imports(name, path, mods)
+        private += p
+    return graph, private
+
+
+def test_no_module_imports_private_names():
+    _, private = _graph()
+    assert private == []
+
+
+def test_no_import_cycles():
+    graph, _ = _graph()
+    graph.pop("gptlab")  # the package's __init__ re-exports; its submodules never import it
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(n: str, path: list[str]) -> None:
+        state[n] = 1
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                cycles.append(" -> ".join(path[path.index(m):] + [m]))
+            elif m not in state:
+                visit(m, path + [m])
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            visit(n, [n])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("module", ["masks", "rope", "layers", "attention", "kvcache", "sampling", "config"])
+def test_model_parts_import_nothing_downstream(module):
+    """The model's parts sit upstream of generation, training and interop."""
+    graph, _ = _graph()
+    downstream = {"gptlab.generation", "gptlab.speculative", "gptlab.train", "gptlab.checkpoint", "gptlab.hf",
+                  "gptlab.smollm", "gptlab.model"}
+    assert graph[f"gptlab.{module}"] & downstream == set()

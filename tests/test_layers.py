@@ -1,0 +1,122 @@
+"""The model's standalone pieces (gptlab.layers, .masks, .rope, .attention) against PyTorch's own ops."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptlab.attention import CausalSelfAttention, attention, attention_weights, merge_heads, split_heads
+from gptlab.layers import LayerNorm, RMSNorm, gelu, layer_norm, new_gelu, rms_norm
+from gptlab.masks import additive_mask, causal_mask, combine_masks, slot_mask
+from gptlab.rope import apply_rope, rope_cache
+
+G = torch.Generator().manual_seed(0)
+
+
+def _randn(*shape):
+    return torch.randn(*shape, generator=G)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_equals_torch(bias):
+    x, w = _randn(3, 5, 16) * 3 + 1, _randn(16)
+    b = _randn(16) if bias else None
+    torch.testing.assert_close(layer_norm(x, w, b, 1e-5), F.layer_norm(x, (16,), w, b, 1e-5))
+    torch.testing.assert_close(LayerNorm(16, bias=bias)(x), F.layer_norm(x, (16,)))
+
+
+def test_rms_norm_equals_torch():
+    x, w = _randn(3, 5, 16) * 3, _randn(16)
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), F.rms_norm(x, (16,), w, 1e-6))
+    m = RMSNorm(16, eps=1e-6)
+    torch.testing.assert_close(m(x), rms_norm(x, m.weight, 1e-6))
+    # the low-precision branch of the module: computed in float32, equal up to bfloat16 rounding
+    torch.testing.assert_close(m(x.bfloat16()).float(), rms_norm(x, m.weight, 1e-6), atol=0.05, rtol=0.02)
+
+
+def test_gelu_equals_torch_tanh_gelu():
+    x = torch.linspace(-8, 8, 1001)
+    torch.testing.assert_close(gelu(x), F.gelu(x, approximate="tanh"))
+    torch.testing.assert_close(new_gelu(x), F.gelu(x, approximate="tanh"))
+    assert (gelu(x) - F.gelu(x)).abs().max() > 1e-4  # the approximation, not the exact erf GELU
+
+
+def test_masks():
+    m = causal_mask(4)
+    assert m.dtype == torch.bool and torch.equal(m, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
+    add = additive_mask(4)
+    assert torch.equal(add == 0, m) and torch.isinf(add[~m]).all() and (add[~m] < 0).all()
+    assert additive_mask(3, dtype=torch.float16).dtype == torch.float16
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    both = combine_masks(m, pad)
+    assert both.shape == (2, 1, 4, 4)
+    for b in range(2):
+        for i in range(4):
+            for j in range(4):
+                assert bool(both[b, 0, i, j]) == (j <= i and bool(pad[b, j]))
+    assert torch.equal(slot_mask(0, 4, 0, 4), m)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="T must be a positive int"):
+            causal_mask(bad)
+    with pytest.raises(ValueError, match="key_padding"):
+        combine_masks(m, pad[:, :3])
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_equals_sdpa(masked):
+    q, k, v = _randn(2, 3, 5, 8), _randn(2, 3, 7, 8), _randn(2, 3, 7, 8)
+    mask = slot_mask(2, 5, 0, 7) if masked else None  # queries at slots 2..6 over keys 0..6
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out, w = attention(q, k, v, mask, return_weights=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(w, attention_weights(q, k, mask))
+    expect = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8) + (0 if mask is None else
+                           torch.zeros(5, 7).masked_fill(~mask, float("-inf"))), dim=-1)
+    torch.testing.assert_close(w, expect)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 3, 5))
+    # a query with no key allowed gets zero weights, not NaN
+    none = torch.zeros(5, 7, dtype=torch.bool)
+    assert torch.equal(attention_weights(q, k, none), torch.zeros(2, 3, 5, 7))
+
+
+def test_split_and_merge_heads():
+    x = _randn(2, 5, 12)
+    h = split_heads(x, 3)
+    assert h.shape == (2, 3, 5, 4)
+    assert torch.equal(h[:, 1], x[:, :, 4:8])
+    assert torch.equal(merge_heads(h), x)
+    with pytest.raises(ValueError, match="divisible"):
+        split_heads(x, 5)
+
+
+def test_rope_matches_hf_rotary():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = rope_cache(10, 8, theta=500.0)
+    assert cos.shape == sin.shape == (10, 8)
+    q, k = _randn(1, 2, 10, 8), _randn(1, 2, 10, 8)
+    hq, hk = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    torch.testing.assert_close(apply_rope(q, cos, sin), hq)
+    torch.testing.assert_close(apply_rope(k, cos, sin), hk)
+    # q . k depends on the positions only through their difference
+    a, b = _randn(8), _randn(8)
+    def dot(i, j):
+        return float(apply_rope(a.view(1, 1, 1, 8), cos[i], sin[i]).flatten() @ apply_rope(b.view(1, 1, 1, 8), cos[j], sin[j]).flatten())
+    assert dot(5, 3) == pytest.approx(dot(4, 2), abs=1e-5)
+    with pytest.raises(ValueError, match="even"):
+        rope_cache(4, 7)
+
+
+def test_attention_module_equals_its_formula():
+    """CausalSelfAttention is c_attn (q, k, v in that order) -> heads -> causal attention -> c_proj."""
+    from gptlab import GPTConfig
+
+    cfg = GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    attn = CausalSelfAttention(cfg).eval()
+    x = _randn(2, 6, 16)
+    q, k, v = attn.c_attn(x).split(16, dim=-1)
+    y = attention(split_heads(q, 2), split_heads(k, 2), split_heads(v, 2), causal_mask(6))
+    torch.testing.assert_close(attn(x), attn.c_proj(merge_heads(y)))
