@@ -204,3 +204,12 @@ def test_drawing_an_impossible_token_fails_at_once():
 
 def test_false_failure_rate_is_below_one_in_a_million():
     assert FALSE_FAILURE_RATE < 1e-6
+
+
+def test_expect_close_reports_the_index_of_the_largest_difference_in_several_dimensions():
+    want = torch.zeros(2, 3, 4)
+    got = want.clone()
+    got[1, 2, 3] = 0.5
+    got[0, 1, 0] = 0.1
+    with pytest.raises(ExerciseError, match=r"largest difference: 0\.5 at index \(1, 2, 3\)"):
+        expect_close(got, want, "f", "x", atol=1e-6, rtol=0)

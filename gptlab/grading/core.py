@@ -354,12 +354,22 @@ def expect_close(
     lines.append("  got:\n" + _indent(show(got)))
     if got.is_floating_point() and want.is_floating_point() and got.shape == want.shape:
         diff = (got.double().cpu() - want.double().cpu()).abs().nan_to_num(nan=math.inf)
-        idx = tuple(int(v) for v in torch.unravel_index(diff.argmax(), diff.shape)) if diff.dim() else ()
+        idx = _unravel(int(diff.argmax()), tuple(diff.shape))
         lines.append(
             f"  largest difference: {diff.max().item():.3g} at index {idx} "
             f"(allowed: {atol:g} + {rtol:g} x |expected|)"
         )
     raise ExerciseError("\n".join(lines))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The index of element ``flat`` of a row-major tensor of ``shape`` (torch.unravel_index
+    imports sympy on its first call, which costs a learner's first failing check seconds)."""
+    out = []
+    for size in reversed(shape):
+        flat, r = divmod(flat, size)
+        out.append(r)
+    return tuple(reversed(out))
 
 
 # --------------------------------------------------------------------------- random functions
