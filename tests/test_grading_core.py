@@ -213,3 +213,12 @@ def test_expect_close_reports_the_index_of_the_largest_difference_in_several_dim
     got[0, 1, 0] = 0.1
     with pytest.raises(ExerciseError, match=r"largest difference: 0\.5 at index \(1, 2, 3\)"):
         expect_close(got, want, "f", "x", atol=1e-6, rtol=0)
+
+
+def test_forbid_a_tensor_method_by_name_on_any_tensor():
+    lse = Forbidden(torch.Tensor.logsumexp, "Tensor.logsumexp")
+    x = torch.randn(3, 4)
+    with pytest.raises(DelegationError, match="called Tensor.logsumexp"):
+        call(lambda t: t.logsumexp(dim=1), "cross_entropy", x, forbidden=[lse])
+    out = call(lambda t: t.exp().sum(1).log(), "cross_entropy", x, forbidden=[lse])  # other methods pass
+    torch.testing.assert_close(out, torch.logsumexp(x, 1))

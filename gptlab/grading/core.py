@@ -29,7 +29,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from types import CodeType, FunctionType, MethodType
+from types import CodeType, FunctionType, MethodDescriptorType, MethodType
 from typing import Any
 
 import torch
@@ -117,7 +117,9 @@ class Forbidden:
 
     ``target`` is a Python function or method (recognised by its code's file, line and name, so a
     fresh import of the same module, or an alias, is still recognised), a builtin (recognised by
-    identity, which aliases share), or a class (its ``forward`` and ``__init__``).
+    identity, which aliases share), a builtin method of a class such as ``torch.Tensor.logsumexp``
+    (recognised by name on any instance of the class: ``x.logsumexp(1)``), or a class (its
+    ``forward`` and ``__init__``).
     """
 
     target: Any
@@ -137,6 +139,8 @@ class Forbidden:
             code = getattr(t, "__code__", None)
             if isinstance(code, CodeType):
                 out.add(_code_key(code))
+            elif isinstance(t, MethodDescriptorType):
+                out.add(("method", t.__name__, t.__objclass__))
             else:
                 out.add(("builtin", id(t)))
         return out
@@ -158,9 +162,13 @@ def forbid(entries: Sequence[Forbidden], task: str):
         yield
         return
     index: dict = {}
+    methods: dict[str, list] = {}  # method name -> [(class, entry)]
     for e in entries:
         for k in e.keys():
-            index[k] = e
+            if k[0] == "method":
+                methods.setdefault(k[1], []).append((k[2], e))
+            else:
+                index[k] = e
     previous = sys.getprofile()
     hit: list[Forbidden] = []
 
@@ -173,6 +181,9 @@ def forbid(entries: Sequence[Forbidden], task: str):
             e = index.get(_code_key(frame.f_code))
         elif event == "c_call":
             e = index.get(("builtin", id(arg)))
+            if e is None and methods:
+                owner = getattr(arg, "__self__", None)
+                e = next((m for cls, m in methods.get(getattr(arg, "__name__", ""), ()) if isinstance(owner, cls)), None)
         else:
             return
         if e is not None:

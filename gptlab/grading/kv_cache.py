@@ -105,8 +105,8 @@ def check_kv_cache(cls: Callable[[], object], seed: int = 0) -> None:
             expect_tensor(t, f"{what}: {name}", dtype="float")
         if same(k_all, want_v) and same(v_all, want_k):
             raise ExerciseError(f"{what}: you returned (v_all, k_all); return the keys first: (k_all, v_all).")
-        expect_close(k_all, want_k, f"{what}: k_all", f"chunks of (B, H, T, d) = (2, 3, t, 4), t = 2, 2, 1, 3", 0.0, 0.0)
-        expect_close(v_all, want_v, f"{what}: v_all", f"chunks of (B, H, T, d) = (2, 3, t, 4), t = 2, 2, 1, 3", 0.0, 0.0)
+        expect_close(k_all, want_k, f"{what}: k_all", "chunks of (B, H, T, d) = (2, 3, t, 4), t = 2, 2, 1, 3", 0.0, 0.0)
+        expect_close(v_all, want_v, f"{what}: v_all", "chunks of (B, H, T, d) = (2, 3, t, 4), t = 2, 2, 1, 3", 0.0, 0.0)
         before = (want_k, want_v)
 
 
