@@ -242,13 +242,22 @@ def _ignored(cell: dict) -> bool:
     return "nbval-ignore-output" in tags or "nbval-skip" in tags or "# NBVAL_IGNORE_OUTPUT" in src or "# NBVAL_SKIP" in src
 
 
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
+
+
+def _sanitize(text: str) -> str:
+    """A repr's memory address (``<... at 0x7f3a...>``) differs on every run: not an output."""
+    return _ADDRESS.sub("at 0x...", text)
+
+
 def _comparable(outputs: list[dict]) -> list[tuple]:
-    """Outputs as nbval compares them: streams merged per name, rich outputs by their text."""
+    """Outputs as nbval compares them: streams merged per name, rich outputs by their text,
+    memory addresses in reprs masked (what nbval's usual sanitize file does)."""
     result: list[tuple] = []
     for out in outputs:
         kind = out["output_type"]
         if kind == "stream":
-            text = "".join(out["text"])
+            text = _sanitize("".join(out["text"]))
             if result and result[-1][:2] == ("stream", out["name"]):
                 result[-1] = ("stream", out["name"], result[-1][2] + text)
             else:
@@ -256,7 +265,7 @@ def _comparable(outputs: list[dict]) -> list[tuple]:
         elif kind in ("execute_result", "display_data"):
             data = out.get("data", {})
             # images may differ in their bytes between library versions: compare their presence
-            result.append((kind, "".join(data.get("text/plain", "")), tuple(sorted(data))))
+            result.append((kind, _sanitize("".join(data.get("text/plain", ""))), tuple(sorted(data))))
         else:
             result.append((kind, out.get("ename"), out.get("evalue")))
     return result

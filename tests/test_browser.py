@@ -14,7 +14,8 @@ at 1280x900 and at 390x844 (a phone), must have:
   (code, formulas), and those boxes really scroll.
 
 Also: the table-of-contents button opens the sidebar on the phone (and hides and shows it on the
-desktop), and the search page finds a page. A screenshot of every page at every width is saved
+desktop), the page-contents button opens the page's sections on the phone, and the search page
+finds a page. A screenshot of every page at every width is saved
 under the test's temporary folder and copied to ``_build/screenshots/`` (the path is printed).
 
 Needs ``/usr/bin/chromium`` and ``/usr/bin/chromedriver`` (Debian: ``apt-get install chromium
@@ -201,6 +202,13 @@ _OVERFLOW = """
       if (r.width === 0 || r.height === 0 || (r.right <= W + 1 && r.left >= -1)) continue;
       const style = getComputedStyle(el);
       if (style.visibility === "hidden" || style.position === "fixed") continue;
+      // clipped out of sight on purpose, for screen readers (e.g. MathJax's mjx-assistive-mml)
+      let hidden = false;
+      for (let a = el; a && a !== document.body; a = a.parentElement) {
+        const s = getComputedStyle(a);
+        if ((s.position === "absolute" && s.clip !== "auto") || s.clipPath !== "none") { hidden = true; break; }
+      }
+      if (hidden) continue;
       let box = el.parentElement, contained = false;
       while (box && box !== document.body) {
         if (scrolls(box) && onScreen(box)) { contained = true; break; }
@@ -287,6 +295,21 @@ def test_toc_button_opens_the_sidebar_on_a_phone(site: str, driver: webdriver.Ch
     WebDriverWait(driver, 10).until(lambda d: d.current_url.endswith("setup_check.html"))
     console, _ = _drain_logs(driver)
     assert not [e for e in console if e["level"] == "SEVERE"], console
+
+
+def test_contents_button_opens_the_page_contents_on_a_phone(site: str, driver: webdriver.Chrome):
+    """The other sidebar button: this page's sections (the secondary sidebar) open on a phone."""
+    _set_viewport(driver, *WIDTHS["phone"])
+    _open(driver, f"{site}/book/intro.html")
+    links = lambda: driver.find_elements(By.CSS_SELECTOR, "#pst-page-toc-nav a")  # noqa: E731
+    assert links() and not any(a.is_displayed() for a in links()), "on a phone the page contents start hidden"
+    toggles = [b for b in driver.find_elements(By.CSS_SELECTOR, ".secondary-toggle") if b.is_displayed()]
+    assert len(toggles) == 1, f"expected one visible page-contents button, found {len(toggles)}"
+    toggles[0].click()
+    try:
+        WebDriverWait(driver, 5).until(lambda d: any(a.is_displayed() for a in links()))
+    except TimeoutException:
+        pytest.fail("the page-contents button does not open this page's sections on a phone")
 
 
 def test_toc_button_hides_and_shows_the_sidebar_on_a_desktop(site: str, driver: webdriver.Chrome):
