@@ -150,21 +150,20 @@ def test_setup_cell_is_plain_python_and_idle_off_colab():
     # off Colab: runs, prints nothing, starts no pip
     r = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (r.stdout, r.stderr)
-    # on Colab (a stand-in `google.colab` module): pip installs gptlab[hf] from the repository, then fetch
+    # on Colab: run the cell with stand-ins for `subprocess` and for `sys` (whose modules hold a
+    # `google.colab`); pip installs gptlab[hf] from the repository, then fetch runs
+    import builtins
+    import types
+
     calls: list[list[str]] = []
-    fake_subprocess = type(sys)("subprocess")
-    fake_subprocess.run = lambda args, check: calls.append(list(args))
-    code = compile(source, "<setup cell>", "exec")
-    saved = {k: sys.modules.get(k) for k in ("google.colab", "subprocess")}
-    sys.modules["google.colab"], sys.modules["subprocess"] = type(sys)("google.colab"), fake_subprocess
-    try:
-        exec(code, {})
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    fake_subprocess = types.SimpleNamespace(run=lambda args, check: calls.append(list(args)))
+    fake_sys = types.SimpleNamespace(executable=sys.executable, modules={**sys.modules, "google.colab": types.ModuleType("google.colab")})
+    fakes = {"subprocess": fake_subprocess, "sys": fake_sys}
+
+    def fake_import(name, *args, **kwargs):
+        return fakes[name] if name in fakes else builtins.__import__(name, *args, **kwargs)
+
+    exec(compile(source, "<setup cell>", "exec"), {"__builtins__": {**vars(builtins), "__import__": fake_import}})
     assert calls == [
         [sys.executable, "-m", "pip", "install", "--quiet", f"gptlab[hf] @ git+{REPO_URL}@{REPO_BRANCH}"],
         [sys.executable, "-m", "gptlab", "fetch"],
