@@ -34,6 +34,8 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser) -> None:
     parser.add_argument("--course", default=None, help="the course folder to copy (default: the repository root)")
     parser.add_argument("--students", type=int, default=20, help="students in the class runs")
+    parser.add_argument("--class-assignments", default="",
+                        help="comma-separated assignments of the class runs (default: every assignment)")
     parser.add_argument("--workers", default="1,2", help="comma-separated worker counts for the class runs")
     parser.add_argument("--blank-every", type=int, default=4,
                         help="every k-th student hands in the blank release (0 = everyone hands in the solution)")
@@ -133,13 +135,19 @@ def run(args) -> int:
         print(f"one full submission of {len(assignments)} assignment(s): {fig['one_submission_s']:.1f} s "
               + "(" + ", ".join(f"{a} {s:.1f} s" for a, s in fig["one_submission_per_assignment_s"].items()) + ")")
 
+        in_class = [a for a in args.class_assignments.split(",") if a.strip()] or assignments
+        unknown = [a for a in in_class if a not in assignments]
+        if unknown:
+            print(f"gptlab bench autograde: error: unknown assignment(s) {', '.join(unknown)}")
+            return 2
+        fig["class_assignments"] = in_class
         students = [f"student{k:02d}" for k in range(n_students)]
-        _submit(course_dir, assignments, students, args.blank_every)
+        _submit(course_dir, in_class, students, args.blank_every)
         scores = None
         for w in worker_counts:
             _fresh_gradebook(course_dir)
             t0 = time.perf_counter()
-            res = autograde(course, assignments, workers=w, timeout=args.timeout, progress=False)
+            res = autograde(course, in_class, workers=w, timeout=args.timeout, progress=False)
             wall = time.perf_counter() - t0
             fig[f"class_workers_{w}_s"] = wall
             got = sorted((r["assignment"], r["student"], r["total"]) for r in res)
@@ -148,7 +156,7 @@ def run(args) -> int:
                 return 1
             scores = got
             note_times(res)
-            print(f"{n_students} students x {len(assignments)} assignment(s), {w} worker(s): {wall:.1f} s "
+            print(f"{n_students} students x {len(in_class)} assignment(s), {w} worker(s): {wall:.1f} s "
                   f"({wall / n_students:.2f} s per student)")
         base = fig.get(f"class_workers_{worker_counts[0]}_s")
         for w in worker_counts[1:]:
