@@ -25,11 +25,12 @@ from gptlab.checkpoint import (
 )
 from gptlab.model import GPT, GPTConfig
 from gptlab.tokenizers import CharTokenizer
+from tiny_models import tiny_gpt
 
 
 def tiny(tie: bool = True, **kw) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16, tie_weights=tie, **kw))
+    return tiny_gpt(0, eval_mode=False, vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16,
+                    tie_weights=tie, **kw)
 
 
 def idx(B: int = 2, T: int = 8, V: int = 37) -> torch.Tensor:

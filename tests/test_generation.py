@@ -14,6 +14,7 @@ from gptlab.sampling import process_logits
 
 import transformers  # noqa: E402,F401  (the HF comparisons need it)
 import scipy.stats as stats  # noqa: E402
+from tiny_models import tiny_gpt  # noqa: E402
 
 V = 50
 
@@ -21,15 +22,9 @@ V = 50
 def _model(seed: int = 0, scale: float = 8.0, **kw) -> GPT:
     """A tiny random GPT-2; weights scaled up so next-token distributions are peaked (no near-ties
     between the top candidates, which float rounding could flip between implementations)."""
-    torch.manual_seed(seed)
     cfg = dict(vocab_size=V, block_size=48, n_layer=2, n_head=2, n_embd=32)
     cfg.update(kw)
-    m = GPT(GPTConfig(**cfg)).eval()
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.mul_(scale)
-    return m
+    return tiny_gpt(seed, scale=scale, **cfg)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from gptlab import GPT, GPTConfig, generate
 from gptlab.generation import make_cache
+from tiny_models import tiny_gpt
+
 from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache, kv_cache_bytes
 
 V = 37
@@ -24,10 +26,9 @@ VARIANTS = {
 
 
 def _model(seed=0, **kw) -> GPT:
-    torch.manual_seed(seed)
     cfg = dict(vocab_size=V, block_size=40, n_layer=2, n_head=2, n_embd=32)
     cfg.update(kw)
-    return GPT(GPTConfig(**cfg)).eval()
+    return tiny_gpt(seed, **cfg)
 
 
 def _caches(m: GPT, B: int):

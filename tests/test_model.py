@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
+from tiny_models import tiny_gpt
+
 from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache
 from gptlab.model import (
     GPT,
@@ -40,8 +42,7 @@ LLAMA_TINY = dict(
 
 
 def tiny(seed: int = 0, **overrides) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**{**GPT2_TINY, **overrides})).eval()
+    return tiny_gpt(seed, **{**GPT2_TINY, **overrides})
 
 
 def ids(B: int = 2, T: int = 16, seed: int = 1, vocab: int = V) -> torch.Tensor:

@@ -29,6 +29,7 @@ from scipy import stats as sps
 from gptlab import GPT, GPTConfig
 from gptlab.generation import generate
 from gptlab.sampling import process_logits
+import tiny_models
 from gptlab.speculative import (
     SpeculativeStats,
     expected_tokens_per_round,
@@ -42,13 +43,7 @@ P_MIN = 1e-3  # a chi-square test fails below this p-value
 def tiny_gpt(seed: int, vocab: int = 8, n_layer: int = 1, n_embd: int = 16, n_head: int = 2, std: float = 0.4) -> GPT:
     """A random GPT-2-style model whose next-token distributions are far from uniform (weights
     drawn with a large ``std``), so that target and draft disagree in a visible way."""
-    torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=vocab, block_size=64, n_layer=n_layer, n_head=n_head, n_embd=n_embd))
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, std)
-    return model.eval()
+    return tiny_models.tiny_gpt(seed, std=std, vocab_size=vocab, block_size=64, n_layer=n_layer, n_head=n_head, n_embd=n_embd)
 
 
 def noisy_copy(model: GPT, rel_noise: float, seed: int) -> GPT:
