@@ -162,9 +162,6 @@ def _weights_mistakes(q: Tensor, k: Tensor, mask: Tensor | None) -> list[tuple[s
             ("you applied the mask after the softmax: the blocked keys get weight 0, but then a query's weights "
              "no longer sum to 1. Set the blocked scores to -inf BEFORE the softmax.",
              lambda: torch.softmax(scaled, dim=-1) * m),
-            ("you applied the mask after the softmax and renormalised by hand; set the blocked scores to -inf "
-             "before the softmax instead.",
-             lambda: (lambda w: w / w.sum(-1, keepdim=True))(torch.softmax(scaled, dim=-1) * m)),
             ("you set the blocked scores to 0 instead of -inf: exp(0) = 1, so blocked keys still get weight. "
              "Use masked_fill(~mask, float('-inf')).",
              lambda: _softmax_masked(scaled, m, fill=0.0)),
