@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from .kvcache import StaticKVCache
-from .model import GPT
+from .model import GPT, check_token_ids
 from .sampling import SamplingConfig, sample_from_probs
 
 __all__ = [
@@ -259,18 +259,9 @@ def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
             f"target and draft must share a vocabulary: target vocab_size={target.config.vocab_size}, "
             f"draft vocab_size={draft.config.vocab_size}"
         )
-    if not isinstance(idx, Tensor) or idx.dim() != 2:
-        got = tuple(idx.shape) if isinstance(idx, Tensor) else type(idx).__name__
-        raise ValueError(f"idx must be a (1, T) tensor of token ids, got {got}")
-    if idx.dtype.is_floating_point or idx.dtype == torch.bool:
-        raise TypeError(f"idx must hold integer token ids, got dtype {idx.dtype}")
+    check_token_ids(idx, target.config.vocab_size)
     if idx.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one sequence at a time (batch size 1), got batch size {idx.shape[0]}")
-    if idx.shape[1] < 1:
-        raise ValueError("idx must hold at least one prompt token")
-    V = target.config.vocab_size
-    if int(idx.min()) < 0 or int(idx.max()) >= V:
-        raise ValueError(f"idx holds token ids outside [0, {V}): min {int(idx.min())}, max {int(idx.max())}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
