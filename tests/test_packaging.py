@@ -35,7 +35,7 @@ def test_wheel_contains_the_package(tmp_path: Path):
 
     names = set(zipfile.ZipFile(wheels[0]).namelist())
     modules = {p.relative_to(REPO).as_posix() for p in (REPO / "gptlab").rglob("*.py") if "__pycache__" not in p.parts}
-    assert {"gptlab/__init__.py", "gptlab/__main__.py", "gptlab/model.py", "gptlab/grading.py"} <= modules
+    assert {"gptlab/__init__.py", "gptlab/__main__.py", "gptlab/model.py", "gptlab/attention.py"} <= modules
     missing = modules - names
     assert not missing, f"the wheel lacks these package modules: {sorted(missing)}"
     assert not any(n.startswith(("tests/", "book/", "solutions/", "exercises/")) for n in names)
