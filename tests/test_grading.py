@@ -1,21 +1,13 @@
-"""Graded exercises: the checks in gptlab.grading, and the nbgrader round trip.
+"""Graded exercises: the causal_mask checks in gptlab.grading.
 
 * Each typical mistake, written as real code, gets its own diagnosis; correct answers written in
   different styles all pass.
-* ``exercises/`` is exactly what ``nbgrader generate_assignment`` makes from ``solutions/`` now.
-* In a throw-away course folder: the solution scores full marks, the blank release scores zero
-  with "not written yet" in the feedback, and an upper-triangular mask fails its test cell with
-  the diagnosis "you let tokens attend to the future".
+* The nbgrader round trip of every assignment (release byte for byte, solution full marks, blank
+  zero, planted mistakes diagnosed, tampering) is in ``tests/test_course.py``.
 """
 
 from __future__ import annotations
 
-import copy
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -181,133 +173,3 @@ def test_weight_mistakes_are_diagnosed(mistake):
     with pytest.raises(ExerciseError) as exc:
         check_causal_attention_weights(fn)
     assert diagnosis in str(exc.value), f"{mistake}: got the message\n{exc.value}"
-
-
-# --------------------------------------------------------------------------- nbgrader
-
-
-def _nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    # nbgrader runs helper programs (alembic) by name: they sit beside this interpreter.
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    r = subprocess.run(
-        [sys.executable, "-m", "nbgrader", *args], cwd=course, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert r.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
-    return r
-
-
-ASSIGNMENTS = sorted(p.name for p in (REPO / "solutions").iterdir() if p.is_dir())
-
-
-@pytest.fixture(scope="module")
-def course(tmp_path_factory) -> Path:
-    """A throw-away course folder: nbgrader_config.py + solutions/, with every assignment generated."""
-    root = tmp_path_factory.mktemp("course")
-    shutil.copy(REPO / "nbgrader_config.py", root)
-    shutil.copytree(REPO / "solutions", root / "solutions", ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    for name in ASSIGNMENTS:
-        _nbgrader(root, "generate_assignment", name, "--force")
-    return root
-
-
-def _files(folder: Path) -> dict[str, str]:
-    return {
-        p.relative_to(folder).as_posix(): p.read_text()
-        for p in sorted(folder.rglob("*"))
-        if p.is_file() and ".ipynb_checkpoints" not in p.parts
-    }
-
-
-def test_there_is_an_assignment():
-    assert "causal_mask" in ASSIGNMENTS
-
-
-def test_exercises_are_generated_from_solutions(course):
-    """exercises/ must be exactly the current release; after editing solutions/, run `make exercises`."""
-    made, committed = _files(course / "exercises"), _files(REPO / "exercises")
-    assert sorted(made) == sorted(committed), "exercises/ has other files than the release: run `make exercises`"
-    for name, text in made.items():
-        assert committed[name] == text, f"exercises/{name} is stale: run `make exercises`"
-
-
-def test_release_hides_the_solutions(course):
-    nb = json.loads((course / "exercises" / "causal_mask" / "causal_mask.ipynb").read_text())
-    text = "".join("".join(c["source"]) for c in nb["cells"])
-    assert "BEGIN SOLUTION" not in text and ".tril()" not in text
-    assert text.count("raise NotImplementedError()") == 4
-    assert "BEGIN HIDDEN TESTS" not in text and "sys.modules" not in text
-    tests = [c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade")]
-    assert [c["metadata"]["nbgrader"]["points"] for c in tests] == [2, 2, 3, 3]
-    assert all(c["metadata"]["nbgrader"]["locked"] for c in tests)
-
-
-def _solved(release: dict, solution: dict) -> dict:
-    """The release with each solution cell's code replaced by the instructor's."""
-    answers = {
-        c["metadata"]["nbgrader"]["grade_id"]: c["source"]
-        for c in solution["cells"]
-        if c["metadata"].get("nbgrader", {}).get("solution")
-    }
-    nb = copy.deepcopy(release)
-    for c in nb["cells"]:
-        meta = c["metadata"].get("nbgrader", {})
-        if meta.get("solution"):
-            c["source"] = answers[meta["grade_id"]]
-    return nb
-
-
-def _test_outputs(nb: dict) -> dict[str, str]:
-    """grade_id -> the text of each graded test cell's outputs (errors included)."""
-    out = {}
-    for c in nb["cells"]:
-        meta = c["metadata"].get("nbgrader", {})
-        if c["cell_type"] == "code" and meta.get("grade"):
-            parts = []
-            for o in c.get("outputs", []):
-                parts.append("".join(o["text"]) if "text" in o else f"{o.get('ename', '')}: {o.get('evalue', '')}")
-            out[meta["grade_id"]] = "\n".join(parts)
-    return out
-
-
-@pytest.mark.slow
-def test_autograde_round_trip(course):
-    from nbgrader.api import Gradebook
-
-    release = json.loads((course / "exercises" / "causal_mask" / "causal_mask.ipynb").read_text())
-    solution = json.loads((course / "solutions" / "causal_mask" / "causal_mask.ipynb").read_text())
-    good = _solved(release, solution)
-    upper = copy.deepcopy(good)
-    for c in upper["cells"]:
-        if c["metadata"].get("nbgrader", {}).get("grade_id") == "solution_causal_mask":
-            src = "".join(c["source"])
-            assert ".tril()" in src
-            c["source"] = src.replace(".tril()", ".triu()")
-    for student, nb in {"solution": good, "blank": release, "upper": upper}.items():
-        folder = course / "submitted" / student / "causal_mask"
-        folder.mkdir(parents=True)
-        (folder / "causal_mask.ipynb").write_text(json.dumps(nb))
-
-    _nbgrader(course, "autograde", "causal_mask", "--create")
-
-    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
-        scores = {
-            s: {g.name: g.score for g in gb.find_submission_notebook("causal_mask", "causal_mask", s).grades}
-            for s in ("solution", "blank", "upper")
-        }
-    assert scores["solution"] == {
-        "test_causal_mask": 2.0, "test_additive_mask": 2.0, "test_causal_attention_weights": 3.0, "test_combine_masks": 3.0
-    }
-    assert set(scores["blank"].values()) == {0.0}
-    assert scores["upper"]["test_causal_mask"] == 0.0
-
-    def outputs(student):
-        path = course / "autograded" / student / "causal_mask" / "causal_mask.ipynb"
-        return _test_outputs(json.loads(path.read_text()))
-
-    assert "causal_mask: correct" in outputs("solution")["test_causal_mask"]
-    blank = outputs("blank")
-    assert "ExerciseError" in blank["test_causal_mask"] and "not written yet" in blank["test_causal_mask"]
-    assert "not written yet" in blank["test_causal_attention_weights"]
-    up = outputs("upper")["test_causal_mask"]
-    assert "ExerciseError" in up and "you let tokens attend to the future" in up

@@ -81,7 +81,6 @@ def _source_order_and_meta(course: Course, assignment: str, notebook: str) -> tu
 
 def _released_text(source: str) -> str:
     """A locked cell's source as the learners received it: the hidden tests removed."""
-    from nbformat.notebooknode import NotebookNode
     from nbgrader.preprocessors import ClearHiddenTests
 
     cell = NotebookNode(cell_type="code", source=source, metadata=NotebookNode())
@@ -99,7 +98,6 @@ def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: d
     ``None`` means the file is not a readable notebook (then nbgrader grades it as missing: 0).
     """
     import nbformat
-    from nbformat.notebooknode import NotebookNode
 
     notes: list[dict] = []
 

@@ -25,7 +25,6 @@ Face's logits processor for it (``transformers.TopKLogitsWarper`` and the others
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
@@ -46,7 +45,6 @@ from .core import (
     expect_tensor,
     require_function,
     same,
-    show_tensor,
 )
 
 __all__ = [
