@@ -81,6 +81,7 @@ def _source_order_and_meta(course: Course, assignment: str, notebook: str) -> tu
 
 def _released_text(source: str) -> str:
     """A locked cell's source as the learners received it: the hidden tests removed."""
+    from nbformat.notebooknode import NotebookNode
     from nbgrader.preprocessors import ClearHiddenTests
 
     cell = NotebookNode(cell_type="code", source=source, metadata=NotebookNode())
