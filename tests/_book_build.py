@@ -73,6 +73,7 @@ def build_book_once(tmp_path_factory: pytest.TempPathFactory) -> BookBuild:
         if not jb:
             pytest.fail("jupyter-book is not installed: pip install -c constraints.txt -e '.[book]'", pytrace=False)
         env = dict(os.environ)
+        env.pop("MPLBACKEND", None)  # the kernels must draw inline, whatever a test process set
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         shutil.rmtree(out, ignore_errors=True)
         start = time.perf_counter()

@@ -16,7 +16,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-os.environ.setdefault("MPLBACKEND", "Agg")
 
 
 def load(path: Path) -> dict:
