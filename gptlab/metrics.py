@@ -1,7 +1,20 @@
-"""A training run's record: ``metrics.jsonl`` (one JSON object per evaluation) and its loss plot.
+"""A training run's record: ``metrics.jsonl``, ``train_log.jsonl`` and the loss plot.
 
 Where this sits: beside the training loop (:mod:`gptlab.train`), which writes them; the chapters
-and benchmarks read them back.
+and benchmarks read them back. Both files are JSON Lines, one object per line:
+
+* ``metrics.jsonl``, one row per evaluation: ``step``, ``train_loss`` (mean training loss since
+  the previous evaluation; at step 0 the loss of one fixed batch), ``val_loss`` (cross-entropy in
+  nats/token over ``val_tokens`` validation tokens), ``lr``, ``tokens``, ``elapsed_s``, ``eval_s``;
+* ``train_log.jsonl``, one row every ``log_interval`` optimiser steps (and at the last step):
+  ``step``, ``train_loss`` (mean over the steps since the previous row), ``lr`` (of the last of
+  them), ``grad_norm`` and ``grad_norm_max`` (mean and max over them of the total gradient norm
+  before clipping), ``clip_frac`` (the fraction of them that were clipped; None without
+  clipping), ``tokens``, ``elapsed_s``.
+
+:func:`read_metrics` and :func:`read_train_log` read them; :func:`metrics_figure` draws both
+(:func:`plot_metrics` writes it as ``loss.png``). Runs older than ``train_log.jsonl`` plot from
+their metrics rows alone.
 """
 
 from __future__ import annotations
@@ -12,49 +25,103 @@ from pathlib import Path
 
 from .files import atomic_path, atomic_write_text
 
-__all__ = ["read_metrics", "write_metrics", "plot_metrics"]
+__all__ = ["read_metrics", "read_train_log", "write_metrics", "metrics_figure", "plot_metrics"]
 
+
+def _read_jsonl(path: str | os.PathLike) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}, line {i}: not a JSON object ({e})") from e
+    return rows
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The rows of a ``metrics.jsonl`` file (one dict per evaluation)."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                rows.append(json.loads(line))
-    return rows
+    return _read_jsonl(path)
+
+
+def read_train_log(path: str | os.PathLike) -> list[dict]:
+    """The rows of a ``train_log.jsonl`` file (one dict every ``log_interval`` steps; fields in the
+    module docstring). ``path`` may also be the run folder."""
+    p = Path(path)
+    return _read_jsonl(p / "train_log.jsonl" if p.is_dir() else p)
 
 
 def write_metrics(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Write ``rows`` (one dict per evaluation) as ``metrics.jsonl``, atomically."""
+    """Write ``rows`` (dicts) as a JSON Lines file such as ``metrics.jsonl``, atomically."""
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
-def plot_metrics(rows: list[dict], path: str | os.PathLike, title: str | None = None) -> Path:
-    """Plot train and validation loss against step into a PNG at ``path`` (written atomically).
+def metrics_figure(rows: list[dict], log_rows: list[dict] | None = None, title: str | None = None,
+                   grad_clip: float | None = None):
+    """A matplotlib ``Figure`` of a run: losses against step, and with ``log_rows`` a second panel.
 
-    Uses matplotlib's Agg canvas directly, so it never changes the pyplot backend.
+    Top panel: the logged training loss (``log_rows``) as a line, or without them the training
+    loss of the evaluation rows; the validation losses (``rows``) as markers, one series per
+    number of validation tokens scored (a subset and the whole split are different estimates).
+    Bottom panel (only with ``log_rows``): the gradient norm before clipping (mean per logged
+    interval, the ``grad_clip`` threshold dashed) and, on a right-hand axis, the learning rate.
+    Drawn on matplotlib's Agg canvas directly: the pyplot backend is never changed.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    path = Path(path)
-    fig = Figure(figsize=(6.4, 4.0), dpi=100)
+    log_rows = log_rows or []
+    fig = Figure(figsize=(6.4, 6.0 if log_rows else 4.0), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    steps = [r["step"] for r in rows]
-    tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
-    if tr:
-        ax.plot([s for s, _ in tr], [v for _, v in tr], marker="o", ms=3, label="train")
-    ax.plot(steps, [r["val_loss"] for r in rows], marker="o", ms=3, label="validation")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy loss (nats / token)")
+    if log_rows:
+        ax, ax2 = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [2, 1]})
+    else:
+        ax, ax2 = fig.add_subplot(1, 1, 1), None
+    if log_rows:
+        ax.plot([r["step"] for r in log_rows], [r["train_loss"] for r in log_rows], lw=1.2,
+                label="train (mean per logged interval)")
+    else:
+        tr = [(r["step"], r["train_loss"]) for r in rows if r.get("train_loss") is not None]
+        if tr:
+            ax.plot([s for s, _ in tr], [v for _, v in tr], marker="o", ms=3, label="train")
+    sizes = list(dict.fromkeys(r.get("val_tokens") for r in rows))
+    for n in sizes:
+        sel = [r for r in rows if r.get("val_tokens") == n]
+        label = "validation" if len(sizes) == 1 or n is None else f"validation ({n:,} tokens)"
+        ax.plot([r["step"] for r in sel], [r["val_loss"] for r in sel], ls="--" if log_rows else "-",
+                marker="o" if n == sizes[0] else "s", ms=4, label=label)
+    ax.set_ylabel("cross-entropy (nats / token)")
     if title:
         ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    last = ax
+    if ax2 is not None:
+        steps = [r["step"] for r in log_rows]
+        ax2.plot(steps, [r["grad_norm"] for r in log_rows], color="C3", lw=1.0, label="gradient norm")
+        if grad_clip is not None:
+            ax2.axhline(grad_clip, color="C3", ls=":", lw=1.0, label=f"clip at {grad_clip:g}")
+        ax2.set_ylabel("gradient norm", color="C3")
+        ax2.grid(alpha=0.3)
+        ax_lr = ax2.twinx()
+        ax_lr.plot(steps, [r["lr"] for r in log_rows], color="C2", lw=1.0, label="learning rate")
+        ax_lr.set_ylabel("learning rate", color="C2")
+        ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+        h1, l1 = ax2.get_legend_handles_labels()
+        h2, l2 = ax_lr.get_legend_handles_labels()
+        ax2.legend(h1 + h2, l1 + l2, fontsize="small", loc="upper right")
+        last = ax2
+    last.set_xlabel("optimiser step")
     fig.tight_layout()
+    return fig
+
+
+def plot_metrics(rows: list[dict], path: str | os.PathLike, title: str | None = None, *,
+                 log_rows: list[dict] | None = None, grad_clip: float | None = None) -> Path:
+    """Write :func:`metrics_figure` of ``rows`` (and ``log_rows``) as a PNG at ``path``, atomically."""
+    path = Path(path)
+    fig = metrics_figure(rows, log_rows, title=title, grad_clip=grad_clip)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png")
     return path

@@ -10,9 +10,14 @@ The loop, as in nanoGPT:
 * learning rate: linear warmup, then cosine decay to ``min_lr`` (:func:`lr_at`);
 * gradient accumulation over ``grad_accum`` micro-batches, gradient-norm clipping;
 * evaluation on a fixed, deterministic validation set (the whole validation split cut into
-  disjoint windows of ``block_size`` tokens, or its first ``eval_tokens`` tokens);
-* a tqdm progress bar, ``metrics.jsonl`` (one JSON object per evaluation), ``loss.png``, and a
-  resumable checkpoint in ``OUT/ckpt`` (bit-for-bit identical continuation on CPU);
+  disjoint windows of ``block_size`` tokens, or its first ``eval_tokens`` tokens; with
+  ``final_eval_whole_split`` the last evaluation scores the whole split);
+* a tqdm progress bar and, in ``OUT``: ``metrics.jsonl`` (one JSON object per evaluation:
+  ``step, train_loss, val_loss, val_tokens, lr, tokens, elapsed_s, eval_s``), ``train_log.jsonl``
+  (one JSON object every ``log_interval`` steps: ``step, train_loss, lr, grad_norm,
+  grad_norm_max, clip_frac, tokens, elapsed_s``, see :meth:`Trainer.fit`), ``loss.png`` (both
+  curves, :func:`gptlab.metrics.plot_metrics`), and a resumable checkpoint in ``OUT/ckpt``
+  (bit-for-bit identical continuation on CPU, logs included);
 * distillation (``teacher=RUN``): the loss becomes ``(1 - w) CE + w KL(teacher || model)``, which
   trains a small model to predict like a big one (a draft for speculative decoding accepts more of
   its guesses when it does); ``train_loss`` in the metrics is that loss, ``val_loss`` stays the
@@ -47,7 +52,7 @@ from .checkpoint import (
     load_checkpoint, load_model, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state,
 )
 from .device import pick_device
-from .metrics import plot_metrics, read_metrics, write_metrics
+from .metrics import plot_metrics, read_metrics, read_train_log, write_metrics
 from .model import GPT
 from .train_config import RECIPES, TrainConfig, get_recipe, lr_at
 
@@ -61,6 +66,7 @@ __all__ = [
     "val_windows",
     "plot_metrics",
     "read_metrics",
+    "read_train_log",
     "register_cli",
 ]
 
@@ -178,6 +184,7 @@ class Trainer:
         self.out_dir = Path(out_dir)
         self.ckpt_dir = self.out_dir / "ckpt"
         self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.log_path = self.out_dir / "train_log.jsonl"
         self.dist = _setup_dist(cfg.device)
         try:
             self._setup(cfg, resume)
@@ -218,9 +225,13 @@ class Trainer:
 
         self.step = 0
         self.elapsed_before = 0.0
-        self.rows: list[dict] = []
+        self.rows: list[dict] = []  # metrics.jsonl: one per evaluation
+        self.log_rows: list[dict] = []  # train_log.jsonl: one every log_interval steps
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_n = 0
+        # the running sums of the current train_log interval (tensors: no GPU sync per step)
+        self._log = {k: torch.zeros((), device=self.device) for k in ("loss_sum", "norm_sum", "norm_max", "clipped")}
+        self._log_n = 0
         if resume:
             self._resume()
 
@@ -234,6 +245,8 @@ class Trainer:
                 model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
         self.train_model = model
         self.val_x, self.val_y = val_windows(self.data.val, cfg.block_size, cfg.eval_tokens)
+        self.val_x_whole, self.val_y_whole = (
+            val_windows(self.data.val, cfg.block_size) if cfg.final_eval_whole_split else (self.val_x, self.val_y))
 
     def _load_teacher(self, cfg: TrainConfig) -> GPT:
         """The frozen teacher of a distillation run, checked against the data and the student."""
@@ -286,6 +299,10 @@ class Trainer:
         self.elapsed_before = float(state["elapsed_s"])
         self._loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float32, device=self.device)
         self._loss_n = int(state["loss_n"])
+        log = state.get("log")
+        if log is not None:
+            self._log = {k: torch.tensor(float(log[k]), dtype=torch.float32, device=self.device) for k in self._log}
+            self._log_n = int(log["n"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         ranks = state.get("rng_ranks")
@@ -300,6 +317,8 @@ class Trainer:
             self.generator.manual_seed(self.cfg.seed + self.step + 1_000_003 * (self.dist.rank + 1))
         if self.metrics_path.exists():
             self.rows = [r for r in read_metrics(self.metrics_path) if r["step"] <= self.step]
+        if self.log_path.exists():
+            self.log_rows = [r for r in read_train_log(self.log_path) if r["step"] <= self.step]
 
     def _gather_rng(self) -> list[dict]:
         mine = rng_state(self.generator)
@@ -321,6 +340,7 @@ class Trainer:
                 "tokens": self.tokens_seen,
                 "loss_sum": float(self._loss_sum.item()),
                 "loss_n": self._loss_n,
+                "log": {**{k: float(v.item()) for k, v in self._log.items()}, "n": self._log_n},
                 "rng": rng_ranks[0],
                 "rng_ranks": rng_ranks,
                 "world_size": self.dist.world,
@@ -353,19 +373,21 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean cross-entropy (nats/token) over the fixed validation windows (shared by ranks)."""
+    def evaluate(self, whole_split: bool = False) -> float:
+        """Mean cross-entropy (nats/token) over the fixed validation windows (shared by ranks):
+        the first ``eval_tokens`` tokens, or the whole split with ``whole_split=True``."""
         model = self.raw_model
         was_training = model.training
         model.eval()
-        n = self.val_x.shape[0]
+        val_x, val_y = (self.val_x_whole, self.val_y_whole) if whole_split else (self.val_x, self.val_y)
+        n = val_x.shape[0]
         idx = torch.arange(self.dist.rank, n, self.dist.world)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         bs = self.cfg.eval_batch_size
         for i in range(0, len(idx), bs):
             sel = idx[i : i + bs]
-            x = self.val_x[sel].to(self.device, non_blocking=True)
-            y = self.val_y[sel].to(self.device, non_blocking=True)
+            x = val_x[sel].to(self.device, non_blocking=True)
+            y = val_y[sel].to(self.device, non_blocking=True)
             with self._autocast():
                 _, loss = model(x, y)
             total += loss.double() * y.numel()
@@ -374,7 +396,7 @@ class Trainer:
 
             dist.all_reduce(total)
         model.train(was_training)
-        return float(total.item() / self.val_y.numel())
+        return float(total.item() / val_y.numel())
 
     def _initial_train_loss(self) -> float:
         """Loss on one fixed training batch (for the step-0 row), without touching the batch RNG."""
@@ -390,17 +412,23 @@ class Trainer:
         model.train()
         return float(loss.item())
 
-    def _log_row(self) -> dict:
-        t_eval = time.perf_counter()
-        val = self.evaluate()
-        if self._loss_n:
-            tl = self._loss_sum.clone()
-            if self.dist.enabled:
-                import torch.distributed as dist
+    def _all_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` averaged over the DDP processes (a copy; ``t`` itself without DDP)."""
+        if not self.dist.enabled:
+            return t
+        import torch.distributed as dist
 
-                dist.all_reduce(tl)
-                tl /= self.dist.world
-            train_loss = float(tl.item()) / self._loss_n
+        t = t.clone()
+        dist.all_reduce(t)
+        return t / self.dist.world
+
+    def _log_row(self) -> dict:
+        """Evaluate and append a ``metrics.jsonl`` row (train loss: mean since the previous one)."""
+        t_eval = time.perf_counter()
+        whole = self.cfg.final_eval_whole_split and self.step == self.cfg.max_steps
+        val = self.evaluate(whole_split=whole)
+        if self._loss_n:
+            train_loss = float(self._all_mean(self._loss_sum).item()) / self._loss_n
         else:
             train_loss = self._initial_train_loss()
         self._loss_sum.zero_()
@@ -410,6 +438,7 @@ class Trainer:
             "step": self.step,
             "train_loss": train_loss,
             "val_loss": val,
+            "val_tokens": int((self.val_y_whole if whole else self.val_y).numel()),
             "lr": lr_at(max(self.step - 1, 0), self.cfg),
             "tokens": self.tokens_seen,
             "elapsed_s": round(self._elapsed(), 4),
@@ -418,6 +447,46 @@ class Trainer:
         self.rows.append(row)
         if self.dist.master:
             with open(self.metrics_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def _checks_target(self, row: dict) -> bool:
+        """Whether ``row``'s val loss counts for ``target_loss`` (and is below it)."""
+        if self.cfg.target_loss is None or row["val_loss"] > self.cfg.target_loss:
+            return False
+        return not self.cfg.final_eval_whole_split or row["val_tokens"] == self.val_y_whole.numel()
+
+    def _add_to_log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Add one optimiser step's loss and gradient norm (0-d tensors) to the current interval."""
+        log = self._log
+        log["loss_sum"] += loss.float()
+        norm = grad_norm.detach().float()
+        log["norm_sum"] += norm
+        torch.maximum(log["norm_max"], norm, out=log["norm_max"])
+        if self.cfg.grad_clip is not None:
+            log["clipped"] += (norm > self.cfg.grad_clip).float()
+        self._log_n += 1
+
+    def _train_log_row(self) -> dict:
+        """Append a ``train_log.jsonl`` row for the steps since the previous one and reset the sums."""
+        n, log = self._log_n, self._log
+        loss = float(self._all_mean(log["loss_sum"]).item()) / n
+        row = {
+            "step": self.step,
+            "train_loss": loss,
+            "lr": lr_at(self.step - 1, self.cfg),
+            "grad_norm": float(log["norm_sum"].item()) / n,
+            "grad_norm_max": float(log["norm_max"].item()),
+            "clip_frac": float(log["clipped"].item()) / n if self.cfg.grad_clip is not None else None,
+            "tokens": self.tokens_seen,
+            "elapsed_s": round(self._elapsed(), 4),
+        }
+        for v in log.values():
+            v.zero_()
+        self._log_n = 0
+        self.log_rows.append(row)
+        if self.dist.master:
+            with open(self.log_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(row) + "\n")
         return row
 
@@ -444,23 +513,43 @@ class Trainer:
             total += loss.detach().float()
         return total
 
-    def optimizer_step(self, lr: float) -> None:
-        """Clip the gradient norm, take one AdamW step at learning rate ``lr``, zero the grads."""
+    def optimizer_step(self, lr: float) -> torch.Tensor:
+        """Clip the gradient norm, take one AdamW step at learning rate ``lr``, zero the grads.
+
+        Returns the total gradient norm before clipping (a 0-d tensor, not synchronised: the 2-norm
+        of all parameters' gradients as one vector, what ``clip_grad_norm_`` returns; computed also
+        when ``grad_clip`` is None). Under fp16 loss scaling it is the unscaled norm.
+        """
         opt = self.optimizer
         for group in opt.param_groups:
             group["lr"] = lr
+        self.scaler.unscale_(opt)  # a no-op without loss scaling
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
         if self.cfg.grad_clip is not None:
-            self.scaler.unscale_(opt)
-            torch.nn.utils.clip_grad_norm_(self.raw_model.parameters(), self.cfg.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         self.scaler.step(opt)
         self.scaler.update()
         opt.zero_grad(set_to_none=True)
+        return norm
 
     # ---- the loop
 
     def fit(self, until: int | None = None) -> dict:
         """Train to ``cfg.max_steps`` (or stop after step ``until``, or once val <= target_loss),
-        save the checkpoint and the plot, and return a summary dict."""
+        save the checkpoint and the plot, and return a summary dict.
+
+        Besides the evaluation rows (``self.rows``, ``metrics.jsonl``) it logs, every
+        ``cfg.log_interval`` optimiser steps and at the last step, a row (``self.log_rows``,
+        ``train_log.jsonl``) about the steps since the previous row: ``train_loss`` (their mean
+        training loss, averaged over DDP processes), ``lr`` (the learning rate of the last of them),
+        ``grad_norm`` / ``grad_norm_max`` (mean / max over them of the total gradient norm before
+        clipping), ``clip_frac`` (the fraction of them whose norm exceeded ``grad_clip`` and was
+        scaled down to it; None without clipping), ``tokens`` and ``elapsed_s`` (evaluation
+        included) at that step. An interrupted run (``until``) keeps its partial sums in the
+        checkpoint, so a resumed run writes the same rows as an uninterrupted one.
+        """
         from .data import get_batch
 
         cfg = self.cfg
@@ -469,6 +558,7 @@ class Trainer:
         if self.dist.master:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_metrics(self.metrics_path, self.rows)  # drops rows past a resumed step
+            write_metrics(self.log_path, self.log_rows)
         self._barrier()
         self._t0 = time.perf_counter()
         self._eval_s = 0.0
@@ -479,7 +569,7 @@ class Trainer:
         reached: dict | None = None
         if self.step == 0 and cfg.eval_at_start and not self.rows:
             row = self._log_row()
-            if cfg.target_loss is not None and row["val_loss"] <= cfg.target_loss:
+            if self._checks_target(row):
                 reached = row
         bar = None
         if cfg.progress and self.dist.master:
@@ -492,10 +582,13 @@ class Trainer:
                 batches = [get_batch(self.data.train, cfg.batch_size, cfg.block_size, generator=self.generator,
                                      device=self.device) for _ in range(cfg.grad_accum)]
                 step_loss = self.accumulate_gradients(batches)
-                self.optimizer_step(lr)
+                grad_norm = self.optimizer_step(lr)
                 self.step += 1
                 self._loss_sum += step_loss
                 self._loss_n += 1
+                self._add_to_log(step_loss, grad_norm)
+                if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
+                    self._train_log_row()
                 if bar is not None:
                     bar.update(1)
                     if self.step % 10 == 0 or self.step == stop:
@@ -504,8 +597,10 @@ class Trainer:
                     row = self._log_row()
                     if bar is not None:
                         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}")
-                    if cfg.target_loss is not None and row["val_loss"] <= cfg.target_loss:
+                    if self._checks_target(row):
                         reached = row
+                        if self._log_n:  # the run ends here: log its last steps
+                            self._train_log_row()
                 if cfg.save and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                     self.save()
         finally:
@@ -515,21 +610,24 @@ class Trainer:
         if cfg.save:
             self.save()
         if self.dist.master and cfg.plot and self.rows:
-            plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters")
+            plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters",
+                         log_rows=self.log_rows, grad_clip=self.cfg.grad_clip)
         return self._summary(elapsed, reached)
 
     def _summary(self, elapsed: float, reached: dict | None) -> dict:
-        first = None
-        if self.cfg.target_loss is not None:
-            first = next((r for r in self.rows if r["val_loss"] <= self.cfg.target_loss), None)
+        first = next((r for r in self.rows if self._checks_target(r)), None)
         last = self.rows[-1] if self.rows else {}
+        # best over the evaluations that scored the same tokens as the last one
+        same = [r["val_loss"] for r in self.rows if r.get("val_tokens") == last.get("val_tokens")]
         train_time = elapsed - self._eval_s
         return {
             "step": self.step,
             "max_steps": self.cfg.max_steps,
             "val_loss": last.get("val_loss"),
             "train_loss": last.get("train_loss"),
-            "best_val_loss": min((r["val_loss"] for r in self.rows), default=None),
+            "best_val_loss": min(same, default=None),
+            "val_tokens": last.get("val_tokens"),
+            "evaluations": len(self.rows),
             "elapsed_s": elapsed,
             "eval_s": self._eval_s,
             "tokens": self.tokens_seen,
@@ -556,7 +654,7 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, until: int | None = None) -> dict:
-    """Train a model with ``cfg`` and write ``out_dir/{metrics.jsonl, loss.png, ckpt/}``.
+    """Train a model with ``cfg`` and write ``out_dir/{metrics.jsonl, train_log.jsonl, loss.png, ckpt/}``.
 
     ``resume=True`` continues from ``out_dir/ckpt`` when it exists. ``until`` stops (and saves)
     after that step, as if interrupted. Returns a summary dict (final and best val loss, elapsed
@@ -592,8 +690,8 @@ def _cli(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     try:
         overrides.update(_parse_set(args.set or []))
-        for name in ("max_steps", "batch_size", "lr", "eval_interval", "seed", "data_dir", "target_loss",
-                     "device", "dtype", "num_threads"):
+        for name in ("max_steps", "batch_size", "lr", "eval_interval", "log_interval", "seed", "data_dir",
+                     "target_loss", "device", "dtype", "num_threads"):
             v = getattr(args, name)
             if v is not None:
                 overrides[name] = v
@@ -615,7 +713,8 @@ def _cli(args: argparse.Namespace) -> int:
         if summary["time_to_target_s"] is not None:
             print(f"target {summary['target_loss']} reached at step {summary['step_at_target']} after "
                   f"{summary['time_to_target_s']:.1f} s")
-        print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {Path(args.out) / 'loss.png'}, {Path(args.out) / 'ckpt'}")
+        out = Path(args.out)
+        print(f"wrote {out / 'metrics.jsonl'}, {out / 'train_log.jsonl'}, {out / 'loss.png'}, {out / 'ckpt'}")
     return 0
 
 
@@ -624,7 +723,8 @@ def register_cli(subparsers) -> None:
     p = subparsers.add_parser(
         "train", help="train a model from a recipe",
         description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
-                    "(one row per evaluation), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
+                    "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
+                    "gradient norm every --log-interval steps), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
                     "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ...",
         epilog="recipes: " + "; ".join(
             f"{k} ({c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
@@ -637,6 +737,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
     p.add_argument("--lr", type=float, help="peak learning rate")
     p.add_argument("--eval-interval", type=int, help="evaluate every N steps")
+    p.add_argument("--log-interval", type=int, help="log the training loss, lr and gradient norm every N steps")
     p.add_argument("--target-loss", type=float, help="stop once the validation loss is <= this")
     p.add_argument("--seed", type=int, help="random seed")
     p.add_argument("--data-dir", help="folder of the prepared data (default: the cache)")

@@ -8,7 +8,8 @@ Where this sits: it runs the training loop (:mod:`gptlab.train`) on a recipe and
   or, on a CPU, a *measured* dense fp32 matrix-multiply peak (best of several 1024x1024 ``torch.mm``
   on this machine with the current thread count); ``--peak-tflops`` overrides it;
 * the wall-clock time until the validation loss first reaches ``--target-loss`` (seconds since
-  training began, evaluation included; training stops there), and the step it happened at,
+  training began, evaluation included; training stops there), and the step it happened at (with
+  a recipe's ``final_eval_whole_split``, only whole-split evaluations count),
 
 together with :func:`gptlab.bench.machine_name`. ``--json PATH`` writes the figures.
 
@@ -134,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         "time_to_target_s": summary["time_to_target_s"],
         "step_at_target": summary["step_at_target"],
         "final_val_loss": summary["val_loss"],
+        "final_val_tokens": summary["val_tokens"],
+        "evaluations": summary["evaluations"],
         "best_val_loss": summary["best_val_loss"],
         "train_elapsed_s": summary["elapsed_s"],
         "eval_s": summary["eval_s"],
@@ -155,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(f"target val loss {target} NOT reached: final {fig['final_val_loss']:.4f} after {fig['steps']} steps, "
                   f"{fig['train_elapsed_s']:.1f} s")
-    print(f"final val loss {fig['final_val_loss']:.4f}; wall time including setup {wall:.1f} s")
+    print(f"final val loss {fig['final_val_loss']:.4f} ({fig['final_val_tokens']:,} validation tokens, "
+          f"{fig['evaluations']} evaluations); wall time including setup {wall:.1f} s")
     if args.json:
         p = atomic_write_text(args.json, json.dumps(fig, indent=2) + "\n")
         print(f"wrote {p}")
