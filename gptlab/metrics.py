@@ -65,11 +65,13 @@ def metrics_figure(rows: list[dict], log_rows: list[dict] | None = None, title: 
     loss of the evaluation rows; the validation losses (``rows``) as markers, one series per
     number of validation tokens scored (a subset and the whole split are different estimates).
     Bottom panel (only with ``log_rows``): the gradient norm before clipping (mean per logged
-    interval, the ``grad_clip`` threshold dashed) and, on a right-hand axis, the learning rate.
+    interval, log scale, the ``grad_clip`` threshold dotted) and, on a right-hand axis, the
+    learning rate.
     Drawn on matplotlib's Agg canvas directly: the pyplot backend is never changed.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
 
     log_rows = log_rows or []
     fig = Figure(figsize=(6.4, 6.0 if log_rows else 4.0), dpi=100)
@@ -102,6 +104,11 @@ def metrics_figure(rows: list[dict], log_rows: list[dict] | None = None, title: 
         ax2.plot(steps, [r["grad_norm"] for r in log_rows], color="C3", lw=1.0, label="gradient norm")
         if grad_clip is not None:
             ax2.axhline(grad_clip, color="C3", ls=":", lw=1.0, label=f"clip at {grad_clip:g}")
+        ax2.set_yscale("log")  # early spikes are orders of magnitude above the rest
+        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax2.yaxis.set_major_formatter(plain)
+        ax2.yaxis.set_minor_formatter(plain)
+        ax2.tick_params(axis="y", which="minor", labelsize="x-small")
         ax2.set_ylabel("gradient norm", color="C3")
         ax2.grid(alpha=0.3)
         ax_lr = ax2.twinx()

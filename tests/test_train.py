@@ -233,6 +233,10 @@ def test_cpu_recipe_reaches_nanogpt_cpu_val_loss(tmp_path):
     whole validation split. (Its wall-clock time is measured by `python -m gptlab bench train`.)"""
     summary = train(get_recipe("shakespeare-char-cpu", progress=False, plot=False, save=False), tmp_path)
     assert summary["val_loss"] <= 1.886, summary
+    from gptlab.data import prepare_char_data
+
+    whole = val_windows(prepare_char_data().val, 128)[1].numel()
+    assert summary["val_tokens"] == whole and summary["evaluations"] == 6  # steps 0, 94, ..., 470
 
 
 # ------------------------------------------------------------------------------------ devices
