@@ -80,6 +80,8 @@ def split_heads(x: Tensor, n_head: int) -> Tensor:
 def merge_heads(x: Tensor) -> Tensor:
     """(B, H, T, d) -> (B, T, H * d), the inverse of :func:`split_heads`."""
     B, H, T, d = x.shape
+    if T == 1:  # one position: (B, H, 1, d) already has (B, 1, H, d)'s memory order
+        return x.reshape(B, 1, H * d)
     return x.transpose(1, 2).reshape(B, T, H * d)
 
 
@@ -131,13 +133,18 @@ class CausalSelfAttention(nn.Module):
         nh, nkv, hd = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.c_attn(x)  # (B, T, (nh + 2 nkv) hd)
         # 1-2. heads, as views of qkv: (B, T, nh + 2 nkv, hd) -> (B, nh + 2 nkv, T, hd)
-        heads = qkv.view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
-        if rope is not None:  # rotate the query and key heads in one go
-            qk = apply_rope(heads.narrow(1, 0, nh + nkv), *rope)
-            q, k = qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv)
+        if T == 1 and rope is None and nkv == nh:
+            # one token (a decode step): (B, 1, 3, nh, hd) and (B, 3, nh, 1, hd) are the same memory,
+            # so one view and one unbind give q, k, v (B, nh, 1, hd) (the general case's five views)
+            q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
         else:
-            q, k = heads.narrow(1, 0, nh), heads.narrow(1, nh, nkv)
-        v = heads.narrow(1, nh + nkv, nkv)
+            heads = qkv.view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
+            if rope is not None:  # rotate the query and key heads in one go
+                qk = apply_rope(heads.narrow(1, 0, nh + nkv), *rope)
+                q, k = qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv)
+            else:
+                q, k = heads.narrow(1, 0, nh), heads.narrow(1, nh, nkv)
+            v = heads.narrow(1, nh + nkv, nkv)
         # 3. the cache: append, then read back every key the new queries may see
         if kv_cache is not None:
             k, v, first = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd), S from slot `first`

@@ -204,6 +204,17 @@ class StaticKVCache(KVCache):
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.max_len = max_len
         self.length = 0
+        self._layers: tuple[Tensor, Tensor, tuple[bool, bool], list[tuple[Tensor, Tensor]]] | None = None
+
+    def _layer(self, layer: int) -> tuple[Tensor, Tensor]:
+        """Layer ``layer``'s buffers (B, n_kv_head, max_len, head_dim): views made once, and again if
+        ``k`` or ``v`` was replaced or the autograd mode changed (PyTorch forbids writing into a view
+        made under ``no_grad`` or ``inference_mode`` once that mode is left)."""
+        views, mode = self._layers, (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if views is None or views[0] is not self.k or views[1] is not self.v or views[2] != mode:
+            pairs = [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
+            views = self._layers = (self.k, self.v, mode, pairs)
+        return views[3][layer]
 
     @classmethod
     def for_model(cls, model, batch_size: int, max_len: int | None = None, dtype=None) -> "StaticKVCache":
@@ -225,9 +236,9 @@ class StaticKVCache(KVCache):
         end = self.length + T
         if end > self.max_len:
             raise ValueError(f"KV cache full: {self.length} + {T} tokens > max_len={self.max_len}")
-        if k.shape[0] != self.k.shape[1]:
-            raise ValueError(f"cache holds batch {self.k.shape[1]}, got keys of batch {k.shape[0]}")
-        K, V = self.k.select(0, layer), self.v.select(0, layer)  # (B, n_kv_head, max_len, head_dim)
+        K, V = self._layer(layer)  # (B, n_kv_head, max_len, head_dim)
+        if k.shape[0] != K.shape[0]:
+            raise ValueError(f"cache holds batch {K.shape[0]}, got keys of batch {k.shape[0]}")
         K.narrow(2, self.length, T).copy_(k)  # in place
         V.narrow(2, self.length, T).copy_(v)
         return K.narrow(2, 0, end), V.narrow(2, 0, end), 0

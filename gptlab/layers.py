@@ -39,6 +39,8 @@ __all__ = [
     "SwiGLU",
     "Linear",
     "row_split_linear",
+    "row_blocks",
+    "blocks_product",
     "row_split",
 ]
 
@@ -103,17 +105,39 @@ def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, part
     result equals ``F.linear``'s up to float rounding. Fewer parts are used when ``out`` is not
     divisible or the blocks would be thinner than 16 rows; a non-contiguous weight is not split.
     """
+    blocks = row_blocks(weight, bias, parts)
+    if blocks is None:
+        return F.linear(x, weight, bias)
+    return blocks_product(x, *blocks)
+
+
+def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> tuple[Tensor, Tensor | None] | None:
+    """The row blocks :func:`row_split_linear` multiplies by: weight (out, in) -> (P, in, out/P)
+    and bias (out,) -> (P, 1, out/P), views of the same memory (detached: an optimiser's in-place
+    update shows through). None when the product is not split (one part, or a non-contiguous
+    weight)."""
     out, inp = weight.shape
     p = _row_parts(out, parts) if weight.is_contiguous() else 1
     if p == 1:
-        return F.linear(x, weight, bias)
-    blocks = weight.view(p, out // p, inp).transpose(1, 2)  # (P, in, out/P): a view
+        return None
+    w = weight.detach().view(p, out // p, inp).transpose(1, 2)  # (P, in, out/P): a view
+    b = None if bias is None else bias.detach().view(p, 1, out // p)
+    return w, b
+
+
+def blocks_product(x: Tensor, blocks: Tensor, bias_blocks: Tensor | None) -> Tensor:
+    """x (..., in) times the row blocks (P, in, out/P) (+ bias blocks (P, 1, out/P)) of
+    :func:`row_blocks`, in one batched product -> (..., out), outputs in the weight's row order."""
+    p, inp, part = blocks.shape
+    lead = x.shape[:-1]
     x2 = x.reshape(1, -1, inp).expand(p, -1, -1)  # (P, N, in): a view
-    if bias is None:
+    if bias_blocks is None:
         y = torch.bmm(x2, blocks)  # (P, N, out/P)
     else:
-        y = torch.baddbmm(bias.view(p, 1, out // p), x2, blocks)
-    return y.transpose(0, 1).reshape(*x.shape[:-1], out)  # block p holds outputs p*out/P..
+        y = torch.baddbmm(bias_blocks, x2, blocks)
+    if x2.shape[1] == 1:  # one vector: (P, 1, out/P) is already the outputs in order
+        return y.view(*lead, p * part)
+    return y.transpose(0, 1).reshape(*lead, p * part)  # block p holds outputs p*out/P..
 
 
 @contextmanager
@@ -133,15 +157,32 @@ def row_split(parts: int | None) -> Iterator[None]:
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) whose product, when it is small (at most
     ``ROW_SPLIT_MAX_ROWS`` input vectors), on a CPU, without autograd (``torch.no_grad`` or
-    ``torch.inference_mode``: decoding), is split over the cores by :func:`row_split_linear`.
-    Training and long prefills run ``F.linear`` unchanged."""
+    ``torch.inference_mode``: decoding), is split over the cores as :func:`row_split_linear` does.
+    The row-block views are made once and kept until the weight, the bias or the part count
+    changes (a decode step runs a few dozen of these products; re-slicing the weight each time
+    cost as much as a small product itself). Training and long prefills run ``F.linear``
+    unchanged."""
+
+    _blocks: tuple | None = None  # (key, row_blocks(...)) of the last split
 
     def forward(self, x: Tensor) -> Tensor:
-        if not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features:
+        params = self._parameters  # (plain dict reads: a decode step runs this a few dozen times)
+        w, b = params["weight"], params.get("bias")
+        if not torch.is_grad_enabled() and x.is_cpu and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features:
             parts = torch.get_num_threads() if _ROW_PARTS is None else _ROW_PARTS
             if parts > 1:
-                return row_split_linear(x, self.weight, self.bias, parts)
-        return F.linear(x, self.weight, self.bias)
+                key = (parts, w.data_ptr(), None if b is None else b.data_ptr())
+                cached = self._blocks
+                if cached is None or cached[0] != key:  # first call, or the weights were replaced
+                    cached = self._blocks = (key, row_blocks(w, b, parts))
+                if cached[1] is not None:
+                    return blocks_product(x, *cached[1])
+        return F.linear(x, w, b)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_blocks", None)  # views, remade on demand: never pickled or deep-copied
+        return state
 
 
 # --------------------------------------------------------------------------- modules
@@ -156,9 +197,11 @@ class LayerNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(ndim))
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
         self.eps = eps
+        self.normalized_shape = (ndim,)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+        params = self._parameters  # the kernel F.layer_norm calls, without its Python wrapper
+        return torch.layer_norm(x, self.normalized_shape, params["weight"], params.get("bias"), self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -194,7 +237,8 @@ class MLP(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        return _dropout(self.c_proj(new_gelu(self.c_fc(x))), self.dropout, self.training)
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # new_gelu
+        return F.dropout(y, self.dropout) if self.training and self.dropout > 0.0 else y
 
 
 class SwiGLU(nn.Module):

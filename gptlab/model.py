@@ -293,9 +293,9 @@ class GPT(nn.Module):
         device = idx.device
         c = self.config
         x = self._embed(idx)  # (B, T, C)
-        if c.pos_emb == "learned":
-            pos = torch.arange(start, start + T, device=device) if position_ids is None else position_ids
-            x = x + self.transformer.wpe(pos)
+        if c.pos_emb == "learned":  # consecutive positions are a slice of the table (T, C)
+            wpe = self.transformer.wpe
+            x = x + (wpe.weight.narrow(0, start, T) if position_ids is None else wpe(position_ids))
         if self.training and c.dropout > 0.0:
             x = F.dropout(x, c.dropout)
         rope = None

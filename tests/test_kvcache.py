@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from gptlab import GPT, GPTConfig, generate
@@ -202,8 +203,8 @@ def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
     from gptlab import layers
 
     calls = []
-    split = layers.row_split_linear
-    monkeypatch.setattr(layers, "row_split_linear", lambda *a: calls.append(a[3]) or split(*a))
+    split = layers.blocks_product
+    monkeypatch.setattr(layers, "blocks_product", lambda *a: calls.append(a[1].shape[0]) or split(*a))
     m = _model(**VARIANTS[variant])
     B, T0 = 2, 5
     ids = torch.randint(0, V, (B, T0 + 15), generator=torch.Generator().manual_seed(9))
@@ -225,6 +226,46 @@ def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
             m.decode(ids[:, :5], cache)
     idx = ids[:, :T0]
     assert torch.equal(generate(m, idx, 20, temperature=0, fast=True), generate(m, idx, 20, temperature=0, fast=False))
+
+
+def test_linear_row_blocks_follow_the_weights():
+    """Linear keeps its row-block views between calls; they follow an optimiser's in-place update
+    and are remade when the weight or bias is replaced (tying, .data =, load_state_dict with
+    assign, a dtype change), so the split product always equals F.linear on the current weights."""
+    import copy
+    import pickle
+
+    from gptlab import layers
+
+    g = torch.Generator().manual_seed(3)
+    lin = layers.Linear(32, 96)
+    x = torch.randn(1, 2, 32, generator=g)
+
+    def same():
+        with torch.no_grad(), layers.row_split(2):
+            y = lin(x)
+        torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        assert lin._blocks is not None and lin._blocks[1] is not None  # the split ran
+
+    same()
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # in place (an optimiser step): the views see it
+        lin.bias.add_(1.0)
+    same()
+    lin.weight = nn.Parameter(torch.randn(96, 32, generator=g))  # replaced (e.g. weight tying)
+    same()
+    lin.bias.data = torch.randn(96, generator=g)
+    same()
+    lin.load_state_dict({"weight": torch.randn(96, 32, generator=g), "bias": torch.randn(96, generator=g)}, assign=True)
+    same()
+    twin = copy.deepcopy(lin)
+    with torch.no_grad():
+        twin.weight.zero_()
+    same()  # the copy's views are its own
+    assert "_blocks" not in pickle.loads(pickle.dumps(lin)).__dict__
+    lin.double()
+    x = x.double()
+    same()
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -252,8 +293,8 @@ def test_linear_splits_only_small_cpu_products_without_autograd(monkeypatch):
     from gptlab import layers
 
     calls = []
-    split = layers.row_split_linear
-    monkeypatch.setattr(layers, "row_split_linear", lambda *a: calls.append(1) or split(*a))
+    split = layers.blocks_product
+    monkeypatch.setattr(layers, "blocks_product", lambda *a: calls.append(1) or split(*a))
     lin = layers.Linear(32, 96)
     with layers.row_split(2):
         lin(torch.randn(1, 32))  # autograd on: training
@@ -298,3 +339,21 @@ def test_kv_cache_bytes_plain_numbers():
         args = dict(n_layer=1, n_kv_head=1, head_dim=1, seq_len=1, batch=1, bytes_per_elem=4) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
             kv_cache_bytes(**args)
+
+
+def test_static_cache_survives_autograd_mode_switches():
+    """StaticKVCache keeps per-layer views between calls; PyTorch forbids writing into a view made
+    under no_grad / inference_mode once that mode is left, so the views are remade when the mode
+    changes: one cache decoded under inference_mode, no_grad and grad mode in turn gives the same
+    logits as a full forward, and so does a model trained after decoding."""
+    m = tiny_gpt()
+    ids = torch.randint(0, m.config.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        full, _ = m(ids)
+    cache = StaticKVCache.for_model(m, 1, 6)
+    modes = [torch.inference_mode, torch.no_grad, torch.enable_grad, torch.no_grad, torch.inference_mode,
+             torch.enable_grad]
+    for t, mode in enumerate(modes):
+        with mode():
+            logits = m.decode(ids[:, t : t + 1], cache)
+        torch.testing.assert_close(logits.detach(), full[:, t], atol=1e-5, rtol=0, msg=f"step {t} under {mode}")
