@@ -65,3 +65,21 @@ def test_a_command_whose_module_fails_to_import_fails_loudly(monkeypatch):
     monkeypatch.setattr(cli, "_COMMANDS", [*cli._COMMANDS, ("gptlab._no_such_module", "ghost")])
     with pytest.raises(ImportError, match=r"gptlab ghost: its module gptlab\._no_such_module failed to import"):
         build_parser()
+
+
+def test_a_benchmark_whose_module_fails_to_import_fails_loudly(monkeypatch):
+    import gptlab.bench as bench
+
+    monkeypatch.setattr(bench, "_BENCHMARKS", {**bench._BENCHMARKS, "ghost": "gptlab._no_such_module"})
+    with pytest.raises(ImportError, match=r"gptlab bench ghost: its module gptlab\._no_such_module failed to import"):
+        build_parser()
+
+
+def test_bench_help_lists_every_benchmark(capsys):
+    import gptlab.bench as bench
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in bench._BENCHMARKS:
+        assert name in out

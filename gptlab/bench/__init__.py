@@ -1,4 +1,4 @@
-"""Benchmarks: ``python -m gptlab bench {train,generate,speculative}``.
+"""Benchmarks: ``python -m gptlab bench {train,generate,speculative,autograde}``.
 
 Speed and memory targets live here, not in timed unit tests. Every benchmark prints measured
 absolute figures and ratios together with :func:`machine_name`, and can write them as JSON.
@@ -42,13 +42,13 @@ def machine_name() -> str:
 
 
 def register_cli(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative)")
+    p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative, autograde)")
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, module in _BENCHMARKS.items():
         try:
             mod = importlib.import_module(module)
-        except ImportError:
-            continue
+        except ImportError as e:  # a broken benchmark is an error, never a silently missing command
+            raise ImportError(f"python -m gptlab bench {name}: its module {module} failed to import: {e}") from e
         bp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None,
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         mod.add_arguments(bp)

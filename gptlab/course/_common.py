@@ -8,7 +8,6 @@ import io
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -16,7 +15,7 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Course", "CourseError", "run_converter", "atomic_write", "task_of", "NOTES_DIR"]
+__all__ = ["Course", "CourseError", "run_converter", "atomic_write", "NOTES_DIR"]
 
 NOTES_DIR = ".gptlab"
 """Folder under ``autograded/`` with the autograder's notes, ``<assignment>/<student>.json``.
@@ -146,20 +145,3 @@ def atomic_write(path: Path, data: str | bytes) -> None:
         raise
 
 
-_TEST = re.compile(r"^test_(.+)$")
-
-
-def task_of(grade_id: str, tasks: list[str]) -> str | None:
-    """The task a test cell belongs to: the longest task ``t`` with ``grade_id`` starting ``test_t``.
-
-    ``tasks`` are the names ``t`` of the solution cells ``solution_t``. Without a match, ``None``.
-    """
-    m = _TEST.match(grade_id)
-    if not m:
-        return None
-    rest = m.group(1)
-    best = None
-    for t in tasks:
-        if (rest == t or rest.startswith(t + "_") or rest.startswith(t)) and (best is None or len(t) > len(best)):
-            best = t
-    return best

@@ -75,7 +75,6 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
     found = Collected()
     # (student, assignment) -> (timestamp, source folder or file, how)
     chosen: dict[tuple[str, str], tuple[datetime, Path, str]] = {}
-    epoch = datetime.min.replace(tzinfo=timezone.utc)
 
     inbound = _inbound_folder(src, course_id)
     if inbound is not None:
