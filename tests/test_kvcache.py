@@ -242,9 +242,10 @@ def test_linear_row_blocks_follow_the_weights():
     x = torch.randn(1, 2, 32, generator=g)
 
     def same():
-        with torch.no_grad(), layers.row_split(2):
-            y = lin(x)
-        torch.testing.assert_close(y, F.linear(x, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
+        for xi in (x, x[:, :1], x[0]):  # several vectors, one (a batch-1 decode step), 2-D input
+            with torch.no_grad(), layers.row_split(2):
+                y = lin(xi)
+            torch.testing.assert_close(y, F.linear(xi, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
         assert lin._blocks is not None and lin._blocks[1] is not None  # the split ran
 
     same()
@@ -265,6 +266,8 @@ def test_linear_row_blocks_follow_the_weights():
     assert "_blocks" not in pickle.loads(pickle.dumps(lin)).__dict__
     lin.double()
     x = x.double()
+    same()
+    lin.bias = None  # no bias: bmm instead of baddbmm
     same()
 
 
