@@ -6,7 +6,8 @@ and every notebook is executed exactly once, into a fresh jupyter-cache. The not
 the executed notebooks the build wrote (``_build/jupyter_execute/``), the browser test serves the
 built ``_build/html``: nothing is executed a second time.
 
-Under pytest-xdist (``make test`` runs ``pytest -n 2 --dist loadfile``) the two test files may land
+``make test`` runs the two book test files in a pytest of their own, after the rest of the suite
+(so the chapters' training has the machine to itself). Under pytest-xdist the two test files may land
 on different workers: the build lives in the folder the workers share (the parent of their
 temporary folders) and a file lock makes the second worker wait for the first one's build instead
 of building again.
