@@ -236,12 +236,7 @@ class StaticKVCache(KVCache):
         end = self.length + T
         if end > self.max_len:
             raise ValueError(f"KV cache full: {self.length} + {T} tokens > max_len={self.max_len}")
-        views = self._layers  # layer's (K, V) views, remade when stale (see _layer)
-        if (views is None or views[0] is not self.k or views[1] is not self.v
-                or views[2] != (torch.is_grad_enabled(), torch.is_inference_mode_enabled())):
-            K, V = self._layer(layer)
-        else:
-            K, V = views[3][layer]  # (B, n_kv_head, max_len, head_dim)
+        K, V = self._layer(layer)  # (B, n_kv_head, max_len, head_dim)
         if k.shape[0] != K.shape[0]:
             raise ValueError(f"cache holds batch {K.shape[0]}, got keys of batch {k.shape[0]}")
         K.narrow(2, self.length, T).copy_(k)  # in place

@@ -175,15 +175,8 @@ class Linear(nn.Linear):
                 cached = self._blocks
                 if cached is None or cached[0] != key:  # first call, or the weights were replaced
                     cached = self._blocks = (key, row_blocks(w, b, parts))
-                split = cached[1]
-                if split is not None:
-                    if x.shape[-2:-1] != (1,) or x.dim() != 3 or x.shape[0] != 1:
-                        return blocks_product(x, *split)
-                    # one vector (a batch-1 decode step), blocks_product inlined: it runs ~25 times a step
-                    blocks, bias_blocks = split
-                    x2 = x.view(1, 1, -1).expand(blocks.shape[0], 1, -1)  # (P, 1, in)
-                    y = torch.bmm(x2, blocks) if bias_blocks is None else torch.baddbmm(bias_blocks, x2, blocks)
-                    return y.view(1, 1, -1)  # (P, 1, out/P) is already the outputs in order
+                if cached[1] is not None:
+                    return blocks_product(x, *cached[1])
         return F.linear(x, w, b)
 
     def __getstate__(self):
