@@ -130,7 +130,8 @@ def blocks_product(x: Tensor, blocks: Tensor, bias_blocks: Tensor | None) -> Ten
     :func:`row_blocks`, in one batched product -> (..., out), outputs in the weight's row order."""
     p, inp, part = blocks.shape
     lead = x.shape[:-1]
-    x2 = x.reshape(1, -1, inp).expand(p, -1, -1)  # (P, N, in): a view
+    # (P, N, in): views of x's N = B * T vectors (one batch row, as in decoding, needs no reshape)
+    x2 = (x if x.dim() == 3 and lead[0] == 1 else x.reshape(1, -1, inp)).expand(p, -1, -1)
     if bias_blocks is None:
         y = torch.bmm(x2, blocks)  # (P, N, out/P)
     else:

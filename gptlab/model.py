@@ -103,11 +103,23 @@ class Block(nn.Module):
         self.ln_2 = _norm(config)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
-    def forward(self, x: Tensor, **attn_kwargs) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        rope: tuple[Tensor, Tensor] | None = None,
+        mask: Tensor | None = None,
+        is_causal: bool = True,
+        kv_cache: KVCache | None = None,
+        key_start: int = 0,
+    ) -> Tensor:
+        """x (B, T, C) -> (B, T, C); the keywords are :class:`CausalSelfAttention`'s."""
         if self.prenorm:
-            x = x + self.attn(self.ln_1(x), **attn_kwargs)
+            x = x + self.attn(self.ln_1(x), rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache,
+                              key_start=key_start)
             return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.attn(x, **attn_kwargs))
+        x = self.ln_1(x + self.attn(x, rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache,
+                                    key_start=key_start))
         return self.ln_2(x + self.mlp(x))
 
 
@@ -331,8 +343,8 @@ class GPT(nn.Module):
             logits = self.lm_head(x)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long(), ignore_index=-100)
             return logits, loss
-        if last_only:
-            x = x[:, -1:, :]
+        if last_only and T > 1:
+            x = x.narrow(1, T - 1, 1)
         return self.lm_head(x), None
 
     def decode(
@@ -356,7 +368,7 @@ class GPT(nn.Module):
             raise ValueError("decode needs a kv_cache (see gptlab.kvcache); use model(idx) without one")
         logits, _ = self(idx, kv_cache=kv_cache, position_ids=position_ids, attention_mask=attention_mask,
                          last_only=last_only)
-        return logits[:, -1] if last_only else logits
+        return logits.select(1, -1) if last_only else logits
 
     # ---- optimiser
 

@@ -284,9 +284,11 @@ def test_row_split_linear_equals_f_linear(shape, bias):
     for parts in (1, 2, 3, 4):
         p = _row_parts(shape[0], parts)
         assert 1 <= p <= parts and shape[0] % p == 0
-        for lead in ((1, 1), (2, 1), (1, 5), (3, 4)):
+        for lead in ((1, 1), (2, 1), (1, 5), (3, 4), (7,), (2, 2, 3)):
             x = torch.randn(*lead, shape[1], generator=g)
             torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        x = torch.randn(1, shape[1], 5, generator=g).transpose(1, 2)  # (1, 5, in), not contiguous
+        torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
     assert _row_parts(shape[0], 2) == (2 if shape[0] == 96 else 1)
 
 
