@@ -222,3 +222,16 @@ def test_forbid_a_tensor_method_by_name_on_any_tensor():
         call(lambda t: t.logsumexp(dim=1), "cross_entropy", x, forbidden=[lse])
     out = call(lambda t: t.exp().sum(1).log(), "cross_entropy", x, forbidden=[lse])  # other methods pass
     torch.testing.assert_close(out, torch.logsumexp(x, 1))
+
+
+def test_close_compares_shape_values_nan_and_booleans():
+    from gptlab.grading.core import close
+
+    a = torch.tensor([1.0, float("nan"), 3.0])
+    assert close(a, a.clone(), 0.0, 0.0)  # NaN equals NaN
+    assert close(a, [1.0 + 1e-7, float("nan"), 3.0], 1e-6, 0.0)  # a list is turned into a tensor
+    assert not close(a, a + 1e-3, 1e-6, 0.0)
+    assert not close(a, a.view(1, 3), 1.0, 1.0)  # the shape counts
+    assert not close(a, object(), 1.0, 1.0)
+    t = torch.tensor([True, False])
+    assert close(t, t.clone(), 0.0, 0.0) and not close(t, t.float(), 1.0, 1.0)

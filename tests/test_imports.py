@@ -11,8 +11,17 @@ PKG = Path(__file__).resolve().parent.parent / "gptlab"
 
 
 def _modules() -> dict[str, Path]:
-    """The package's top-level modules (its subpackages are checked by their own tests)."""
-    return {("gptlab" if f.stem == "__init__" else f"gptlab.{f.stem}"): f for f in sorted(PKG.glob("*.py"))}
+    """Every module of the package, its subpackages' (``gptlab.grading.core``, ...) included."""
+    mods = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = ("gptlab",) + f.relative_to(PKG).with_suffix("").parts
+        mods[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    return mods
+
+
+def _package(name: str, path: Path) -> str:
+    """The package a relative import in module ``name`` starts from."""
+    return name if path.stem == "__init__" else name.rpartition(".")[0]
 
 
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
@@ -36,7 +45,12 @@ def _imports(name: str, path: Path, mods: dict) -> tuple[set[str], list[str]]:
         if isinstance(node, ast.Import):
             deps |= {a.name for a in node.names if a.name in mods}
         elif isinstance(node, ast.ImportFrom):
-            base = ("gptlab" + (f".{node.module}" if node.module else "")) if node.level else (node.module or "")
+            if node.level:  # from .x import y, from ..x import y
+                pkg = _package(name, path).split(".")
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
             if not base.startswith("gptlab"):
                 continue
             for a in node.names:

@@ -49,6 +49,7 @@ __all__ = [
     "show_tensor",
     "require_function",
     "same",
+    "close",
 ]
 
 
@@ -312,7 +313,11 @@ Candidate = tuple[str, Callable[[], Any]]
 """A known mistake: its diagnosis, and a thunk computing what that mistake returns on this input."""
 
 
-def _close(a: Tensor, b: Any, atol: float, rtol: float) -> bool:
+def close(a: Tensor, b: Any, atol: float, rtol: float) -> bool:
+    """Whether ``a`` and ``b`` (a tensor or anything ``torch.as_tensor`` takes) have the same shape
+    and values within ``atol + rtol * |b|`` (NaN equal to NaN; booleans exactly), compared in
+    float64 on the CPU with PyTorch's own C function (a notebook that replaces ``torch.allclose``
+    changes nothing)."""
     if not isinstance(b, Tensor):
         try:
             b = torch.as_tensor(b)
@@ -345,7 +350,7 @@ def expect_close(
     next, for mistakes that are recognised by a property rather than an output. The message shows
     ``inputs``, the expected and the obtained values, and the largest difference.
     """
-    if _close(got, want, atol, rtol):
+    if close(got, want, atol, rtol):
         return
     reason = None
     for text, thunk in mistakes:
@@ -353,7 +358,7 @@ def expect_close(
             candidate = thunk()
         except Exception:
             continue
-        if _close(got, candidate, atol, rtol):
+        if close(got, candidate, atol, rtol):
             reason = text
             break
     if reason is None and diagnose is not None:

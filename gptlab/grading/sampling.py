@@ -39,6 +39,7 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
+    close,
     describe,
     expect_close,
     expect_distribution,
@@ -146,8 +147,6 @@ def _zero_hint(got: Tensor, want: Tensor) -> str | None:
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
-    from .core import _close as close
-
     return close(a, b, ATOL, RTOL)
 
 
