@@ -14,25 +14,21 @@ A checkpoint folder holds:
   and step counts), with the parameter groups and any non-tensor state as JSON in the file's
   metadata header.
 * ``train_state.json`` (optional): the step, the RNG states (python, numpy, torch, CUDA, the
-  batch generator) in a JSON-safe form (see :func:`rng_state`), metrics, ...
+  batch generator) in a JSON-safe form (see :func:`gptlab.rng.rng_state`), metrics, ...
 
 Safety: weights are read with ``safetensors`` and everything else is JSON, so loading a
 checkpoint never unpickles anything (no ``torch.load``).
 
 Atomicity: the whole folder is first written under a temporary name beside the target, then
-swapped in with :func:`os.replace`-style renames, so a crash during a save never leaves a half
+swapped in with renames (:func:`gptlab.files.atomic_dir`), so a crash during a save never leaves a half
 written checkpoint in the target's place. If a crash falls between the two renames of the swap
 the previous checkpoint survives as ``.<name>.old``, and :func:`resolve_checkpoint` finds it.
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import os
-import random
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +38,9 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from .files import atomic_dir, kept_aside
 from .model import GPT, GPTConfig
+from .rng import rng_state, set_rng_state  # re-exported: the training state they make is saved here
 
 __all__ = [
     "save_checkpoint",
@@ -93,59 +91,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             return model
 
 
-def _b64(t: torch.Tensor) -> str:
-    return base64.b64encode(t.detach().cpu().contiguous().numpy().tobytes()).decode("ascii")
-
-
-def _unb64_bytes(s: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
-
-
-def rng_state(generator: torch.Generator | None = None) -> dict:
-    """Every random-number generator's state in a JSON-safe dict.
-
-    Keys: ``python`` (``random.getstate()`` as lists), ``numpy`` (the legacy global
-    ``np.random`` MT19937 state), ``torch`` (CPU default generator, base64), ``cuda`` (one base64
-    state per visible GPU, if CUDA is initialised) and ``generator`` (``generator``'s state, e.g.
-    the one that draws batches, base64), all restorable with :func:`set_rng_state`.
-    """
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
-        "torch": _b64(torch.get_rng_state()),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
-    if generator is not None:
-        state["generator"] = _b64(generator.get_state())
-        state["generator_device"] = str(generator.device)
-    return state
-
-
-def set_rng_state(state: dict, generator: torch.Generator | None = None) -> None:
-    """Restore the states saved by :func:`rng_state` (``generator`` gets ``state['generator']``)."""
-    if not isinstance(state, dict):
-        raise TypeError(f"rng state must be a dict from rng_state(), got {type(state).__name__}")
-    if "python" in state:
-        version, internal, gauss = state["python"]
-        random.setstate((version, tuple(internal), gauss))
-    if "numpy" in state:
-        kind, keys, pos, has_gauss, cached = state["numpy"]
-        np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    if "torch" in state:
-        torch.set_rng_state(_unb64_bytes(state["torch"]))
-    if "cuda" in state and torch.cuda.is_available():
-        states = [_unb64_bytes(s) for s in state["cuda"]]
-        if len(states) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(states)
-    if generator is not None:
-        if "generator" not in state:
-            raise CheckpointError("the saved RNG state holds no batch-generator state to restore")
-        generator.set_state(_unb64_bytes(state["generator"]))
-
-
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, (np.integer,)):
         return int(obj)
@@ -160,9 +105,7 @@ def _json_default(obj: Any) -> Any:
 
 def _write_json(path: Path, obj: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1, default=_json_default)
-        f.flush()
-        os.fsync(f.fileno())
+        json.dump(obj, f, indent=1, default=_json_default)  # atomic_dir flushes it to the disk
 
 
 def _read_json(path: Path) -> Any:
@@ -182,27 +125,6 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         if isinstance(e, FileNotFoundError):
             raise
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or another format?): {e}") from e
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open folders
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,48 +283,18 @@ def save_checkpoint(
     if train_state is not None:
         json.dumps(train_state, default=_json_default)
 
-    parent = out_dir.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=parent))
-    try:
+    if out_dir.exists() and not (out_dir / CONFIG_FILE).exists() and any(out_dir.iterdir()):
+        raise CheckpointError(f"{out_dir} exists and is not a gptlab checkpoint folder; refusing to replace it")
+    with atomic_dir(out_dir) as tmp:  # an interrupted save leaves the previous checkpoint in place
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "gptlab": FORMAT})
-        _fsync_file(tmp / MODEL_FILE)
         if opt_payload is not None:
             opt_tensors, opt_meta = opt_payload
             save_file(opt_tensors, str(tmp / OPTIMIZER_FILE),
                       metadata={"format": "pt", "gptlab_optimizer": json.dumps(opt_meta)})
-            _fsync_file(tmp / OPTIMIZER_FILE)
         if train_state is not None:
             _write_json(tmp / TRAIN_STATE_FILE, train_state)
         _write_json(tmp / CONFIG_FILE, config)  # last: a folder without config.json is incomplete
-        os.chmod(tmp, 0o755)
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-        _fsync_dir(tmp)
-        _swap_in(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _swap_in(tmp: Path, out_dir: Path) -> None:
-    """Put the finished folder ``tmp`` at ``out_dir``, replacing what was there."""
-    old = out_dir.parent / f".{out_dir.name}.old"
-    if out_dir.exists():
-        if not (out_dir / CONFIG_FILE).exists() and any(out_dir.iterdir()):
-            raise CheckpointError(f"{out_dir} exists and is not a gptlab checkpoint folder; refusing to replace it")
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out_dir, old)  # 1: keep the previous checkpoint aside
-        os.replace(tmp, out_dir)  # 2: the new one takes its place
-        _fsync_dir(out_dir.parent)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
-    if old.exists():
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -425,7 +317,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if (cand / CONFIG_FILE).is_file():
             return cand
     for cand in (p, p / "ckpt"):
-        old = cand.parent / f".{cand.name}.old"
+        old = kept_aside(cand)
         if not cand.exists() and (old / CONFIG_FILE).is_file():
             return old
     raise CheckpointError(

@@ -3,8 +3,8 @@
 Where this sits: beside the pipeline; every module that writes a file (the data cache, tokenizers,
 metrics, plots, benchmark results) goes through these. The bytes go to a temporary file in the
 destination folder, which then replaces the destination with :func:`os.replace` (atomic on POSIX
-and Windows). Checkpoints, which are folders, use the same idea for a whole folder
-(:mod:`gptlab.checkpoint`).
+and Windows). A whole folder (a checkpoint, :mod:`gptlab.checkpoint`) is written the same way by
+:func:`atomic_dir`: into a temporary folder beside it, then swapped in.
 """
 
 from __future__ import annotations
@@ -12,11 +12,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["atomic_path", "atomic_write_bytes", "atomic_write_text", "atomic_write_json"]
+__all__ = [
+    "atomic_path",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_dir",
+    "kept_aside",
+    "fsync_path",
+]
 
 
 @contextlib.contextmanager
@@ -58,3 +67,60 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def atomic_write_json(path: str | os.PathLike, obj) -> Path:
     """Write ``obj`` as indented UTF-8 JSON to ``path`` atomically."""
     return atomic_write_text(path, json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file, or a folder's list of entries, to the disk (a folder that cannot be opened,
+    as on Windows, is skipped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        if Path(path).is_dir():
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not Path(path).is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def kept_aside(path: str | os.PathLike) -> Path:
+    """Where :func:`atomic_dir` keeps the previous folder ``path`` while it swaps the new one in:
+    ``.<name>.old`` beside it. Only a crash between the swap's two renames leaves it there."""
+    path = Path(path)
+    return path.parent / f".{path.name}.old"
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a new temporary folder beside ``path``; on success it replaces the folder ``path``
+    (or takes its place), on an exception it is removed and ``path`` is left untouched.
+
+    The swap is two renames: the old folder goes to :func:`kept_aside`, then the new one to
+    ``path``; every file and both folders are flushed to the disk first. A crash between the two
+    renames leaves no ``path`` but the previous folder intact at ``kept_aside(path)``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise carry over
+        for f in tmp.iterdir():
+            os.chmod(f, 0o644)
+            fsync_path(f)
+        fsync_path(tmp)
+        old = kept_aside(path)
+        if path.exists():
+            if old.exists():  # left by an earlier crash; path is the newer folder
+                shutil.rmtree(old)
+            os.replace(path, old)  # 1: the previous folder goes aside
+        os.replace(tmp, path)  # 2: the new one takes its place
+        fsync_path(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
