@@ -27,7 +27,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .assets import ASSETS, Asset, atomic_path, atomic_write_json, cache_dir, fetch, sha256_file
+from .assets import ASSETS, Asset, cache_dir, fetch, sha256_file
+from .files import atomic_write_bytes, atomic_write_json
 from .tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
 
 __all__ = [
@@ -74,11 +75,7 @@ class CharData:
 def _write_bin(path: Path, ids: np.ndarray) -> str:
     """Write uint16 ids atomically; return their sha256."""
     data = np.ascontiguousarray(ids, dtype=np.uint16).tobytes()
-    with atomic_path(path) as tmp:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    atomic_write_bytes(path, data)
     return hashlib.sha256(data).hexdigest()
 
 

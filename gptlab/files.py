@@ -108,11 +108,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would otherwise carry over
-        for f in tmp.iterdir():
-            os.chmod(f, 0o644)
-            fsync_path(f)
-        fsync_path(tmp)
+        for folder, subfolders, names in os.walk(tmp):  # mkdtemp's 0700 would otherwise carry over
+            os.chmod(folder, 0o755)
+            for name in names:
+                os.chmod(os.path.join(folder, name), 0o644)
+                fsync_path(os.path.join(folder, name))
+            fsync_path(folder)
         old = kept_aside(path)
         if path.exists():
             if old.exists():  # left by an earlier crash; path is the newer folder

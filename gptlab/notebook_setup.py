@@ -29,9 +29,10 @@ import argparse
 import json
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .files import atomic_write_text
 
 __all__ = [
     "SETUP_CELL_ID",
@@ -137,14 +138,7 @@ def write_setup_cell(path: str | os.PathLike[str], repo_url: str, branch: str = 
     new_text = json.dumps(notebook, sort_keys=True, indent=1, ensure_ascii=False) + "\n"
     if new_text == text:
         return False
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(new_text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, new_text)
     return True
 
 

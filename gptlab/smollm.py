@@ -19,15 +19,13 @@ the tokenizer are cached under ``cache_dir() / "smollm2"``; later loads take a s
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from .assets import Asset, cache_dir, fetch, register_asset
+from .files import atomic_dir
 from .model import GPT, GPTConfig
 
 __all__ = ["SMOLLM2_GGUF", "load_smollm2", "load_smollm2_hf", "smollm2_gguf_path", "converted_dir"]
@@ -113,35 +111,22 @@ def _load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
 
 def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
     """Write model.safetensors + config.json + tokenizer/ into a temporary folder beside
-    ``folder`` and move it into place in one step (os.replace), so readers never see half a cache."""
+    ``folder`` and swap it in (:func:`gptlab.files.atomic_dir`), so readers never see half a cache."""
     from safetensors.torch import save_file
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-        if model.config.tie_weights:
-            state.pop("lm_head.weight")  # the same tensor as wte (safetensors refuses shared storage)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.tie_weights:
+        state.pop("lm_head.weight")  # the same tensor as wte (safetensors refuses shared storage)
+    meta = {
+        "format": _FORMAT,
+        "source": f"{SMOLLM2_GGUF.registry[0]}=={SMOLLM2_GGUF.registry[1]}:{SMOLLM2_GGUF.registry[2]}",
+        "source_sha256": SMOLLM2_GGUF.sha256,
+        "config": model.config.to_dict(),
+    }
+    with atomic_dir(folder) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp / "tokenizer")
-        meta = {
-            "format": _FORMAT,
-            "source": f"{SMOLLM2_GGUF.registry[0]}=={SMOLLM2_GGUF.registry[1]}:{SMOLLM2_GGUF.registry[2]}",
-            "source_sha256": SMOLLM2_GGUF.sha256,
-            "config": model.config.to_dict(),
-        }
         (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        os.chmod(tmp / "model.safetensors", 0o644)
-        if folder.exists():
-            shutil.rmtree(folder)
-        try:
-            os.replace(tmp, folder)
-        except OSError:
-            if not (folder / "config.json").is_file():  # another process won the race: use theirs
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_smollm2(
