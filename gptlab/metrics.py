@@ -12,6 +12,8 @@ and benchmarks read them back. Both files are JSON Lines, one object per line:
   before clipping), ``clip_frac`` (the fraction of them that were clipped; None without
   clipping), ``tokens``, ``elapsed_s``.
 
+:class:`TrainLog` keeps the running sums of the current ``train_log.jsonl`` interval and makes its
+row; :func:`append_jsonl` adds a row to either file, :func:`write_metrics` rewrites one.
 :func:`read_metrics` and :func:`read_train_log` read them; :func:`metrics_figure` draws both
 (:func:`plot_metrics` writes it as ``loss.png``). Runs older than ``train_log.jsonl`` plot from
 their metrics rows alone.
@@ -21,11 +23,15 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from .files import atomic_path, atomic_write_text
 
-__all__ = ["read_metrics", "read_train_log", "write_metrics", "metrics_figure", "plot_metrics"]
+__all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "write_metrics", "metrics_figure",
+           "plot_metrics"]
 
 
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -55,6 +61,82 @@ def read_train_log(path: str | os.PathLike) -> list[dict]:
 def write_metrics(path: str | os.PathLike, rows: list[dict]) -> None:
     """Write ``rows`` (dicts) as a JSON Lines file such as ``metrics.jsonl``, atomically."""
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+def append_jsonl(path: str | os.PathLike, row: dict) -> None:
+    """Append ``row`` as one line of a JSON Lines file such as ``metrics.jsonl``."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+class TrainLog:
+    """The running sums behind one ``train_log.jsonl`` row: the optimiser steps since the previous row.
+
+    ``TrainLog(device, grad_clip)``; :meth:`add` each step's loss and gradient norm (0-d tensors),
+    :meth:`pop_row` makes the row and starts a new interval. The sums (``sums``: ``loss_sum``,
+    ``norm_sum``, ``norm_max``, ``clipped``) are 0-d float32 tensors on ``device``, so adding a
+    step never waits for the GPU; ``n`` counts the steps. :meth:`state_dict` /
+    :meth:`load_state_dict` carry an unfinished interval through a checkpoint, so that a resumed
+    run writes the same rows as an uninterrupted one.
+    """
+
+    KEYS = ("loss_sum", "norm_sum", "norm_max", "clipped")
+
+    def __init__(self, device: torch.device | str = "cpu", grad_clip: float | None = None):
+        self.grad_clip = grad_clip
+        self.sums = {k: torch.zeros((), device=device) for k in self.KEYS}
+        self.n = 0
+
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Add one optimiser step: its loss and its total gradient norm before clipping (0-d tensors)."""
+        s = self.sums
+        s["loss_sum"] += loss.float()
+        norm = grad_norm.detach().float()
+        s["norm_sum"] += norm
+        torch.maximum(s["norm_max"], norm, out=s["norm_max"])
+        if self.grad_clip is not None:
+            s["clipped"] += (norm > self.grad_clip).float()
+        self.n += 1
+
+    def pop_row(self, *, step: int, lr: float, tokens: int, clock: Callable[[], float],
+                mean: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict:
+        """The interval's ``train_log.jsonl`` row, and reset the sums for the next one.
+
+        ``train_loss`` is the mean loss of the interval's steps (its sum first passed through
+        ``mean``, e.g. the mean over DDP processes), ``grad_norm`` / ``grad_norm_max`` the mean /
+        max norm, ``clip_frac`` the fraction of steps whose norm exceeded ``grad_clip`` (None
+        without clipping); ``step``, ``lr`` and ``tokens`` are the caller's, and ``elapsed_s`` is
+        ``clock()`` (the run's seconds so far, rounded to 0.1 ms), called once the sums are read:
+        on a GPU, after the queued steps have run. Needs at least one step since the previous row.
+        """
+        n, s = self.n, self.sums
+        if n < 1:
+            raise ValueError("TrainLog.pop_row: no step was added since the previous row")
+        loss_sum = s["loss_sum"] if mean is None else mean(s["loss_sum"])
+        row = {
+            "step": step,
+            "train_loss": float(loss_sum.item()) / n,
+            "lr": lr,
+            "grad_norm": float(s["norm_sum"].item()) / n,
+            "grad_norm_max": float(s["norm_max"].item()),
+            "clip_frac": float(s["clipped"].item()) / n if self.grad_clip is not None else None,
+            "tokens": tokens,
+            "elapsed_s": round(clock(), 4),
+        }
+        for v in s.values():
+            v.zero_()
+        self.n = 0
+        return row
+
+    def state_dict(self) -> dict:
+        """The unfinished interval as plain numbers: ``{"loss_sum", "norm_sum", "norm_max", "clipped", "n"}``."""
+        return {**{k: float(v.item()) for k, v in self.sums.items()}, "n": self.n}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the interval saved by :meth:`state_dict`."""
+        device = self.sums["loss_sum"].device
+        self.sums = {k: torch.tensor(float(state[k]), dtype=torch.float32, device=device) for k in self.KEYS}
+        self.n = int(state["n"])
 
 
 def metrics_figure(rows: list[dict], log_rows: list[dict] | None = None, title: str | None = None,

@@ -27,8 +27,17 @@ The loop, as in nanoGPT:
   (DistributedDataParallel: rank 0 logs and saves, every rank draws its own batches).
 
 Use :data:`RECIPES` + :func:`train`, or ``python -m gptlab train --recipe NAME --out DIR``.
-The run's settings, the recipes and :func:`lr_at` live in :mod:`gptlab.train_config`; the metrics
-file and plot in :mod:`gptlab.metrics`; this module is the loop (re-exporting those names).
+This module is the loop (:class:`Trainer`: set-up, resume, one optimiser step, the loop, saving)
+and its command line; the pieces it calls live beside it, and the names it has always offered are
+re-exported here:
+
+* :mod:`gptlab.train_config`: the run's settings (:class:`TrainConfig`), the recipes, :func:`lr_at`;
+* :mod:`gptlab.distributed`: which process this is under ``torchrun`` and the exchanges between
+  processes (no-ops with one);
+* :mod:`gptlab.evaluation`: the fixed validation windows (:func:`val_windows`) and the mean
+  cross-entropy over them (:func:`gptlab.evaluation.mean_cross_entropy`);
+* :mod:`gptlab.metrics`: the ``train_log.jsonl`` interval's running sums
+  (:class:`gptlab.metrics.TrainLog`), the two JSON Lines files and the plot.
 """
 
 from __future__ import annotations
@@ -39,21 +48,20 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import (
-    load_checkpoint, load_model, resolve_checkpoint, rng_state, save_checkpoint, set_rng_state,
-)
+from .checkpoint import load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
 from .device import pick_device
-from .metrics import plot_metrics, read_metrics, read_train_log, write_metrics
+from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
+from .evaluation import mean_cross_entropy, val_windows
+from .metrics import TrainLog, append_jsonl, plot_metrics, read_metrics, read_train_log, write_metrics
 from .model import GPT
+from .rng import rng_state, set_rng_state
 from .train_config import RECIPES, TrainConfig, get_recipe, lr_at
 
 __all__ = [
@@ -95,65 +103,6 @@ def _load_data(cfg: TrainConfig):
         raise RuntimeError(f"could not get the {cfg.dataset!r} training data: {e}") from e
 
 
-def val_windows(val: Any, block_size: int, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fixed validation set: the split cut into disjoint windows of ``block_size`` tokens.
-
-    Returns ``x``, ``y`` (N, T) int64 with ``y`` the next tokens, N = (len - 1) // T (or fewer
-    to stay within ``max_tokens``). Deterministic: every evaluation scores the same tokens.
-    """
-    if isinstance(val, torch.Tensor):
-        v = val.detach().cpu().to(torch.int64)
-    else:
-        v = torch.from_numpy(np.asarray(val).astype(np.int64))
-    if v.dim() != 1:
-        raise ValueError(f"val must be a 1-D stream of token ids, got shape {tuple(v.shape)}")
-    n = (len(v) - 1) // block_size
-    if max_tokens is not None:
-        n = min(n, max_tokens // block_size)
-    if n < 1:
-        raise ValueError(f"the validation split ({len(v)} tokens) is too short for block_size {block_size}")
-    x = v[: n * block_size].view(n, block_size)
-    y = v[1 : n * block_size + 1].view(n, block_size)
-    return x, y
-
-
-# --------------------------------------------------------------------------------------------
-# distributed
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    local_rank: int = 0
-    world: int = 1
-    owns_group: bool = False
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world > 1
-
-
-def _setup_dist(device_name: str) -> _Dist:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return _Dist(dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_world_size())
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return _Dist()
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = torch.cuda.is_available() and device_name in ("auto", "cuda")
-    if use_cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return _Dist(rank, local, world, owns_group=True)
-
-
 # --------------------------------------------------------------------------------------------
 # the trainer
 # --------------------------------------------------------------------------------------------
@@ -185,7 +134,7 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "ckpt"
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.log_path = self.out_dir / "train_log.jsonl"
-        self.dist = _setup_dist(cfg.device)
+        self.dist = setup_distributed(cfg.device)
         try:
             self._setup(cfg, resume)
         except BaseException:
@@ -227,11 +176,10 @@ class Trainer:
         self.elapsed_before = 0.0
         self.rows: list[dict] = []  # metrics.jsonl: one per evaluation
         self.log_rows: list[dict] = []  # train_log.jsonl: one every log_interval steps
+        # the training loss since the previous evaluation (a tensor: no GPU sync per step)
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_n = 0
-        # the running sums of the current train_log interval (tensors: no GPU sync per step)
-        self._log = {k: torch.zeros((), device=self.device) for k in ("loss_sum", "norm_sum", "norm_max", "clipped")}
-        self._log_n = 0
+        self.train_log = TrainLog(self.device, cfg.grad_clip)  # the current train_log.jsonl interval
         if resume:
             self._resume()
 
@@ -299,10 +247,8 @@ class Trainer:
         self.elapsed_before = float(state["elapsed_s"])
         self._loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float32, device=self.device)
         self._loss_n = int(state["loss_n"])
-        log = state.get("log")
-        if log is not None:
-            self._log = {k: torch.tensor(float(log[k]), dtype=torch.float32, device=self.device) for k in self._log}
-            self._log_n = int(log["n"])
+        if state.get("log") is not None:
+            self.train_log.load_state_dict(state["log"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         ranks = state.get("rng_ranks")
@@ -320,19 +266,9 @@ class Trainer:
         if self.log_path.exists():
             self.log_rows = [r for r in read_train_log(self.log_path) if r["step"] <= self.step]
 
-    def _gather_rng(self) -> list[dict]:
-        mine = rng_state(self.generator)
-        if not self.dist.enabled:
-            return [mine]
-        import torch.distributed as dist
-
-        out = [None] * self.dist.world
-        dist.all_gather_object(out, mine)  # in-memory exchange between our own processes
-        return out  # type: ignore[return-value]
-
     def save(self) -> None:
         """Write the checkpoint (every rank must call it under DDP; rank 0 writes)."""
-        rng_ranks = self._gather_rng()
+        rng_ranks = all_gather_objects(rng_state(self.generator), self.dist)
         if self.dist.master:
             state = {
                 "step": self.step,
@@ -340,7 +276,7 @@ class Trainer:
                 "tokens": self.tokens_seen,
                 "loss_sum": float(self._loss_sum.item()),
                 "loss_n": self._loss_n,
-                "log": {**{k: float(v.item()) for k, v in self._log.items()}, "n": self._log_n},
+                "log": self.train_log.state_dict(),
                 "rng": rng_ranks[0],
                 "rng_ranks": rng_ranks,
                 "world_size": self.dist.world,
@@ -350,15 +286,9 @@ class Trainer:
             }
             save_checkpoint(self.ckpt_dir, self.raw_model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                             train_state=state)
-        self._barrier()
+        barrier(self.dist)
 
-    def _barrier(self) -> None:
-        if self.dist.enabled:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    # ---- numbers
+    # ---- numbers, evaluation and the two logs
 
     @property
     def tokens_seen(self) -> int:
@@ -372,31 +302,13 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    @torch.no_grad()
     def evaluate(self, whole_split: bool = False) -> float:
         """Mean cross-entropy (nats/token) over the fixed validation windows (shared by ranks):
-        the first ``eval_tokens`` tokens, or the whole split with ``whole_split=True``."""
-        model = self.raw_model
-        was_training = model.training
-        model.eval()
-        val_x, val_y = (self.val_x_whole, self.val_y_whole) if whole_split else (self.val_x, self.val_y)
-        n = val_x.shape[0]
-        idx = torch.arange(self.dist.rank, n, self.dist.world)
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        bs = self.cfg.eval_batch_size
-        for i in range(0, len(idx), bs):
-            sel = idx[i : i + bs]
-            x = val_x[sel].to(self.device, non_blocking=True)
-            y = val_y[sel].to(self.device, non_blocking=True)
-            with self._autocast():
-                _, loss = model(x, y)
-            total += loss.double() * y.numel()
-        if self.dist.enabled:
-            import torch.distributed as dist
-
-            dist.all_reduce(total)
-        model.train(was_training)
-        return float(total.item() / val_y.numel())
+        the first ``eval_tokens`` tokens, or the whole split with ``whole_split=True``
+        (:func:`gptlab.evaluation.mean_cross_entropy`)."""
+        x, y = (self.val_x_whole, self.val_y_whole) if whole_split else (self.val_x, self.val_y)
+        return mean_cross_entropy(self.raw_model, x, y, batch_size=self.cfg.eval_batch_size, device=self.device,
+                                  autocast=self._autocast, dist=self.dist)
 
     def _initial_train_loss(self) -> float:
         """Loss on one fixed training batch (for the step-0 row), without touching the batch RNG."""
@@ -412,23 +324,13 @@ class Trainer:
         model.train()
         return float(loss.item())
 
-    def _all_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` averaged over the DDP processes (a copy; ``t`` itself without DDP)."""
-        if not self.dist.enabled:
-            return t
-        import torch.distributed as dist
-
-        t = t.clone()
-        dist.all_reduce(t)
-        return t / self.dist.world
-
     def _log_row(self) -> dict:
         """Evaluate and append a ``metrics.jsonl`` row (train loss: mean since the previous one)."""
         t_eval = time.perf_counter()
         whole = self.cfg.final_eval_whole_split and self.step == self.cfg.max_steps
         val = self.evaluate(whole_split=whole)
         if self._loss_n:
-            train_loss = float(self._all_mean(self._loss_sum).item()) / self._loss_n
+            train_loss = float(all_mean(self._loss_sum, self.dist).item()) / self._loss_n
         else:
             train_loss = self._initial_train_loss()
         self._loss_sum.zero_()
@@ -446,8 +348,7 @@ class Trainer:
         }
         self.rows.append(row)
         if self.dist.master:
-            with open(self.metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.metrics_path, row)
         return row
 
     def _checks_target(self, row: dict) -> bool:
@@ -456,38 +357,13 @@ class Trainer:
             return False
         return not self.cfg.final_eval_whole_split or row["val_tokens"] == self.val_y_whole.numel()
 
-    def _add_to_log(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Add one optimiser step's loss and gradient norm (0-d tensors) to the current interval."""
-        log = self._log
-        log["loss_sum"] += loss.float()
-        norm = grad_norm.detach().float()
-        log["norm_sum"] += norm
-        torch.maximum(log["norm_max"], norm, out=log["norm_max"])
-        if self.cfg.grad_clip is not None:
-            log["clipped"] += (norm > self.cfg.grad_clip).float()
-        self._log_n += 1
-
     def _train_log_row(self) -> dict:
         """Append a ``train_log.jsonl`` row for the steps since the previous one and reset the sums."""
-        n, log = self._log_n, self._log
-        loss = float(self._all_mean(log["loss_sum"]).item()) / n
-        row = {
-            "step": self.step,
-            "train_loss": loss,
-            "lr": lr_at(self.step - 1, self.cfg),
-            "grad_norm": float(log["norm_sum"].item()) / n,
-            "grad_norm_max": float(log["norm_max"].item()),
-            "clip_frac": float(log["clipped"].item()) / n if self.cfg.grad_clip is not None else None,
-            "tokens": self.tokens_seen,
-            "elapsed_s": round(self._elapsed(), 4),
-        }
-        for v in log.values():
-            v.zero_()
-        self._log_n = 0
+        row = self.train_log.pop_row(step=self.step, lr=lr_at(self.step - 1, self.cfg), tokens=self.tokens_seen,
+                                     clock=self._elapsed, mean=lambda t: all_mean(t, self.dist))
         self.log_rows.append(row)
         if self.dist.master:
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+            append_jsonl(self.log_path, row)
         return row
 
     # ---- one optimiser step
@@ -559,7 +435,7 @@ class Trainer:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_metrics(self.metrics_path, self.rows)  # drops rows past a resumed step
             write_metrics(self.log_path, self.log_rows)
-        self._barrier()
+        barrier(self.dist)
         self._t0 = time.perf_counter()
         self._eval_s = 0.0
         if self.rows:
@@ -586,7 +462,7 @@ class Trainer:
                 self.step += 1
                 self._loss_sum += step_loss
                 self._loss_n += 1
-                self._add_to_log(step_loss, grad_norm)
+                self.train_log.add(step_loss, grad_norm)
                 if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
                     self._train_log_row()
                 if bar is not None:
@@ -599,7 +475,7 @@ class Trainer:
                         bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}")
                     if self._checks_target(row):
                         reached = row
-                        if self._log_n:  # the run ends here: log its last steps
+                        if self.train_log.n:  # the run ends here: log its last steps
                             self._train_log_row()
                 if cfg.save and cfg.checkpoint_interval and self.step % cfg.checkpoint_interval == 0:
                     self.save()
@@ -646,11 +522,7 @@ class Trainer:
 
     def close(self) -> None:
         """Leave the process group if this trainer created it."""
-        if self.dist.owns_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-            self.dist.owns_group = False
+        close_distributed(self.dist)
 
 
 def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, until: int | None = None) -> dict:
