@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .distributed import DistInfo, all_sum_
 
-__all__ = ["val_windows", "mean_cross_entropy"]
+__all__ = ["val_windows", "mean_cross_entropy", "sum_dtype"]
 
 
 def val_windows(val: Any, block_size: int, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +49,11 @@ def val_windows(val: Any, block_size: int, max_tokens: int | None = None) -> tup
     return x, y
 
 
+def sum_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype a loss sum is kept in on ``device``: float64, or float32 on MPS (no float64)."""
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
+
+
 @torch.no_grad()
 def mean_cross_entropy(
     model: nn.Module,
@@ -67,7 +72,7 @@ def mean_cross_entropy(
     windows go through it ``batch_size`` at a time, moved to ``device`` (default: the model's),
     in eval mode (restored afterwards), without gradients, each forward inside a fresh
     ``autocast()`` context (e.g. ``lambda: torch.autocast("cuda", torch.bfloat16)``). The sum is
-    kept in float64.
+    kept in float64 (float32 on Apple's MPS, which has no float64).
 
     With ``dist`` (several processes) rank ``r`` scores windows ``r, r + world, ...`` and the sums
     are all-reduced: every process gets the same mean over all N windows.
@@ -79,14 +84,14 @@ def mean_cross_entropy(
     model.eval()
     try:
         idx = torch.arange(rank, x.shape[0], world)
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        total = torch.zeros((), dtype=sum_dtype(device), device=device)
         for i in range(0, len(idx), batch_size):
             sel = idx[i : i + batch_size]
             xb = x[sel].to(device, non_blocking=True)
             yb = y[sel].to(device, non_blocking=True)
             with autocast():
                 _, loss = model(xb, yb)
-            total += loss.double() * yb.numel()
+            total += loss.to(total.dtype) * yb.numel()
         if dist is not None:
             all_sum_(total, dist)
     finally:

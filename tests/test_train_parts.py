@@ -224,3 +224,11 @@ def test_append_jsonl_adds_rows(tmp_path):
     append_jsonl(p, {"step": 2, "val_loss": None})
     assert read_metrics(p) == [{"step": 1, "val_loss": 2.5}, {"step": 2, "val_loss": None}]
     assert p.read_text().count("\n") == 2
+
+
+def test_loss_sums_are_float64_except_on_mps():
+    """Apple's MPS has no float64: an evaluation there must sum in float32, not crash."""
+    from gptlab.evaluation import sum_dtype
+
+    assert sum_dtype("cpu") == sum_dtype(torch.device("cuda", 0)) == torch.float64
+    assert sum_dtype("mps") == sum_dtype(torch.device("mps")) == torch.float32
