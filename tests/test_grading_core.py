@@ -235,3 +235,14 @@ def test_close_compares_shape_values_nan_and_booleans():
     assert not close(a, object(), 1.0, 1.0)
     t = torch.tensor([True, False])
     assert close(t, t.clone(), 0.0, 0.0) and not close(t, t.float(), 1.0, 1.0)
+
+
+def test_show_tensor_prints_short_floats_a_learner_can_read():
+    from gptlab.grading.core import describe, show_tensor
+
+    assert show_tensor(torch.tensor([0.1, 1 / 3, 2.0, float("-inf")])) == "[0.1, 0.3333, 2.0, -inf]"
+    assert show_tensor(torch.tensor([1e-7, 0.0])) == "[1e-07, 0.0]"  # tiny is not zero
+    assert show_tensor(torch.tensor([[1, 2], [3, 4]])) == "[1, 2]\n[3, 4]"
+    assert show_tensor(torch.tensor(1 / 3)) == "0.3333"
+    assert "first values [0.0, 0.01, 0.02, 0.03, 0.04, 0.05] ..." in show_tensor(torch.arange(100) / 100)
+    assert describe(torch.tensor([0.1, 1 / 3])) == "tensor([0.1, 0.3333])"

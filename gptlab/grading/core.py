@@ -65,31 +65,42 @@ class DelegationError(ExerciseError):
 
 
 def show_tensor(t: Tensor, decimals: int = 4, max_elems: int = 64) -> str:
-    """A short, readable text of ``t``: the values when small, else the shape and a few values."""
+    """A short, readable text of ``t``: the values when small (floats rounded to ``decimals``
+    places: ``0.3333``, not ``0.33329999446868896``), else the shape and a few values."""
     t = t.detach()
     if t.device.type == "meta":
         return f"<meta tensor of shape {tuple(t.shape)}>"
     t = t.cpu()
     if t.numel() <= max_elems:
-        body = t.round(decimals=decimals) if t.is_floating_point() else t
-        text = str(body.tolist()) if t.dim() == 0 else _matrix_text(body)
-        return text
-    flat = t.flatten()
-    head = flat[:6].round(decimals=decimals) if t.is_floating_point() else flat[:6]
-    return f"<tensor of shape {tuple(t.shape)}, dtype {t.dtype}; first values {head.tolist()} ...>"
+        if t.dim() <= 1:
+            return str(_values(t, decimals))
+        return "\n".join(str(_values(row, decimals)) for row in t.reshape(-1, t.shape[-1]))
+    head = _values(t.flatten()[:6], decimals)
+    return f"<tensor of shape {tuple(t.shape)}, dtype {t.dtype}; first values {head} ...>"
 
 
-def _matrix_text(t: Tensor) -> str:
-    if t.dim() <= 1:
-        return str(t.tolist())
-    return "\n".join(str(row) for row in t.reshape(-1, t.shape[-1]).tolist())
+def _values(t: Tensor, decimals: int = 4) -> Any:
+    """``t.tolist()`` with every float rounded to ``decimals`` places as a Python float (whose
+    text is the shortest that reads back, so 0.1 prints as 0.1); a value that would round to 0
+    keeps ``decimals`` significant digits instead (1e-07 is not 0)."""
+    values = t.tolist()
+    if not t.is_floating_point():
+        return values
+
+    def rnd(v):
+        if isinstance(v, list):
+            return [rnd(x) for x in v]
+        r = round(v, decimals)
+        return float(f"{v:.{decimals}g}") if r == 0 and v != 0 else r
+
+    return rnd(values)
 
 
 def describe(x: Any) -> str:
     """One line describing an argument in a message: tensors by shape and dtype, the rest by repr."""
     if isinstance(x, Tensor):
         if x.numel() <= 8 and x.device.type != "meta":
-            return f"tensor({x.detach().cpu().tolist()})"
+            return f"tensor({_values(x.detach().cpu())})"
         return f"<tensor of shape {tuple(x.shape)}, dtype {x.dtype}>"
     if isinstance(x, torch.nn.Module):
         return f"<{type(x).__name__} module>"
