@@ -40,7 +40,7 @@ def _worker(rank: int, world: int, port: int, out: str, results: str) -> None:
         state = {k: v.detach().clone().contiguous() for k, v in t.raw_model.state_dict().items() if k != "lm_head.weight"}
         save_file(state, os.path.join(results, f"rank{rank}.safetensors"))
         with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
-            json.dump({"seed": seed, "summary": summary}, f)
+            json.dump({"seed": seed, "summary": summary, "log_rows": t.log_rows}, f)
     finally:
         t.close()
 
@@ -64,6 +64,15 @@ def test_ddp_two_cpu_processes_gloo(tmp_path):
     assert [r["step"] for r in rows] == [0, 20, 40]
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.5
     assert info[1]["summary"]["val_loss"] == rows[-1]["val_loss"]  # the val loss is shared (all-reduced)
+    # train_log.jsonl: written once, by rank 0; its training loss is the mean over both ranks' batches,
+    # so the two ranks (which drew different batches) hold the same rows
+    log = read_metrics(out / "train_log.jsonl")
+    assert [r["step"] for r in log] == list(range(10, 41, 10))
+    def no_clock(rows):  # each process times itself
+        return [{k: v for k, v in r.items() if k != "elapsed_s"} for r in rows]
+
+    assert no_clock(info[0]["log_rows"]) == no_clock(info[1]["log_rows"]) == no_clock(log)
+    assert all(r["tokens"] == r["step"] * 16 * 32 * WORLD for r in log)
     state = json.loads((out / "ckpt" / "train_state.json").read_text())
     assert len(state["rng_ranks"]) == WORLD
     assert state["rng_ranks"][0]["generator"] != state["rng_ranks"][1]["generator"]
