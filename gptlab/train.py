@@ -71,6 +71,7 @@ __all__ = [
     "lr_at",
     "train",
     "Trainer",
+    "distillation_loss",
     "val_windows",
     "plot_metrics",
     "read_metrics",
@@ -106,6 +107,29 @@ def _load_data(cfg: TrainConfig):
 # --------------------------------------------------------------------------------------------
 # the trainer
 # --------------------------------------------------------------------------------------------
+
+
+def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, ce: torch.Tensor,
+                      weight: float) -> torch.Tensor:
+    """``(1 - weight) * ce + weight * KL(teacher || model)``, a 0-d tensor.
+
+    logits and teacher_logits (B, T, V): the model's and the teacher's next-token logits for the
+    same inputs; ce (0-d): the model's cross-entropy with the true next tokens; weight in [0, 1].
+    The KL is the forward one, ``sum_v p_teacher(v) (log p_teacher(v) - log p_model(v))``, averaged
+    over the B * T positions and computed in float32. Its gradient pulls the model's whole
+    distribution toward the teacher's at every position, not only the observed token's
+    probability: what makes a small draft model guess like its target in speculative decoding.
+    No gradient reaches the teacher.
+    """
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"weight must be in [0, 1], got {weight}")
+    if logits.shape != teacher_logits.shape or logits.dim() != 3:
+        raise ValueError(f"logits and teacher_logits must both be (B, T, V), got {tuple(logits.shape)} "
+                         f"and {tuple(teacher_logits.shape)}")
+    t_logp = F.log_softmax(teacher_logits.detach().float(), dim=-1).flatten(0, 1)  # (B T, V)
+    logq = F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+    kl = F.kl_div(logq, t_logp, log_target=True, reduction="batchmean")
+    return (1.0 - weight) * ce + weight * kl
 
 
 def _resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
@@ -213,19 +237,14 @@ class Trainer:
         return teacher.eval()
 
     def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """The training loss of a batch: cross-entropy with the next tokens, and with a teacher
-        ``(1 - w) * CE + w * KL(teacher || model)``, the forward KL per token between the teacher's
-        and the model's next-token distributions (its gradient pulls the model's probabilities
-        toward the teacher's on every token, not only the observed one)."""
+        """The training loss of a batch: the cross-entropy with the next tokens, or with a teacher
+        :func:`distillation_loss`."""
         logits, ce = model(x, y)
         if self.teacher is None:
             return ce
-        w = self.cfg.distill_weight
         with torch.no_grad():
-            t_logp = F.log_softmax(self.teacher(x)[0].float(), dim=-1)  # (B, T, V)
-        logq = F.log_softmax(logits.float(), dim=-1)
-        kl = F.kl_div(logq.flatten(0, 1), t_logp.flatten(0, 1), log_target=True, reduction="batchmean")
-        return (1.0 - w) * ce + w * kl
+            teacher_logits = self.teacher(x)[0]
+        return distillation_loss(logits, teacher_logits, ce, self.cfg.distill_weight)
 
     # ---- state
 

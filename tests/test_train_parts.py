@@ -232,3 +232,25 @@ def test_loss_sums_are_float64_except_on_mps():
 
     assert sum_dtype("cpu") == sum_dtype(torch.device("cuda", 0)) == torch.float64
     assert sum_dtype("mps") == sum_dtype(torch.device("mps")) == torch.float32
+
+
+def test_distillation_loss_is_ce_plus_forward_kl_per_position():
+    """(1 - w) CE + w KL(teacher || model), the KL averaged over the B * T positions, against
+    torch.distributions; no gradient reaches the teacher."""
+    from gptlab.train import distillation_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 7, generator=g, requires_grad=True)
+    teacher = torch.randn(2, 5, 7, generator=g, requires_grad=True)
+    ce = torch.tensor(1.25)
+    kl = torch.distributions.kl_divergence(torch.distributions.Categorical(logits=teacher),
+                                           torch.distributions.Categorical(logits=logits)).mean()
+    for w in (0.0, 0.3, 1.0):
+        torch.testing.assert_close(distillation_loss(logits, teacher, ce, w), (1 - w) * ce + w * kl)
+    distillation_loss(logits, teacher, ce, 0.5).backward()
+    assert logits.grad is not None and teacher.grad is None
+    assert float(distillation_loss(teacher.detach(), teacher, torch.tensor(0.0), 1.0)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match=r"weight must be in \[0, 1\]"):
+        distillation_loss(logits, teacher, ce, 1.5)
+    with pytest.raises(ValueError, match=r"\(B, T, V\)"):
+        distillation_loss(logits, teacher[:, :3], ce, 0.5)
