@@ -11,7 +11,6 @@ afterwards, so the rest of the test session keeps its own.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path

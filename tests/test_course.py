@@ -558,7 +558,7 @@ def test_collect_the_exchange_inbound_layout(course_dir, tmp_path, capsys):
         d.mkdir(parents=True)
         (d / f"{nb}.ipynb").write_text(_nb_text(tag))
         (d / "timestamp.txt").write_text(stamp)
-    (inbound / f"ann+not_an_assignment+2026-03-01 10:00:00.000000 UTC+abc").mkdir()
+    (inbound / "ann+not_an_assignment+2026-03-01 10:00:00.000000 UTC+abc").mkdir()
     assert _run("collect", str(tmp_path / "exchange"), "--course", str(course_dir)) == 0
     out = capsys.readouterr().out
     sub = course_dir / "submitted"

@@ -360,7 +360,7 @@ def test_token_ids_outside_the_vocabulary_are_named(model):
     for call in (lambda: model(bad), lambda: generate(model, bad, 2), lambda: beam_search(model, bad, 2, 2)):
         with pytest.raises(ValueError, match=rf"token id {V + 3} at idx\[0, 2\] is outside the vocabulary \[0, {V}\)"):
             call()
-    with pytest.raises(ValueError, match=rf"token id -1 at idx\[0, 0\] is outside the vocabulary"):
+    with pytest.raises(ValueError, match=r"token id -1 at idx\[0, 0\] is outside the vocabulary"):
         model(torch.tensor([[-1, 2]]))
 
 

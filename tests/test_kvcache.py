@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptlab import GPT, GPTConfig, generate
+from gptlab import GPT, generate
 from gptlab.generation import make_cache
 from tiny_models import tiny_gpt
 
