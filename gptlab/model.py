@@ -103,23 +103,12 @@ class Block(nn.Module):
         self.ln_2 = _norm(config)
         self.mlp = SwiGLU(config) if config.mlp == "swiglu" else MLP(config)
 
-    def forward(
-        self,
-        x: Tensor,
-        *,
-        rope: tuple[Tensor, Tensor] | None = None,
-        mask: Tensor | None = None,
-        is_causal: bool = True,
-        kv_cache: KVCache | None = None,
-        key_start: int = 0,
-    ) -> Tensor:
-        """x (B, T, C) -> (B, T, C); the keywords are :class:`CausalSelfAttention`'s."""
+    def forward(self, x: Tensor, **attn_kwargs) -> Tensor:
+        """x (B, T, C) -> (B, T, C); the keywords go to :class:`CausalSelfAttention` as they are."""
         if self.prenorm:
-            x = x + self.attn(self.ln_1(x), rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache,
-                              key_start=key_start)
+            x = x + self.attn(self.ln_1(x), **attn_kwargs)
             return x + self.mlp(self.ln_2(x))
-        x = self.ln_1(x + self.attn(x, rope=rope, mask=mask, is_causal=is_causal, kv_cache=kv_cache,
-                                    key_start=key_start))
+        x = self.ln_1(x + self.attn(x, **attn_kwargs))
         return self.ln_2(x + self.mlp(x))
 
 
