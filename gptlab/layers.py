@@ -9,7 +9,8 @@ Where this sits: tokens -> *model* -> logits. Each idea comes twice, on purpose:
   checks each function against the kernel.
 
 :class:`Linear` is ``nn.Linear`` with one addition for decoding on a CPU: with only a few tokens
-and no autograd, its matrix product is split in row blocks over the cores
+and no autograd, its matrix product runs on a copy of the weight packed in row blocks, one
+contiguous block per core and more, in the layout the fastest kernel for the job reads
 (:func:`row_split_linear`). Every linear layer of :class:`gptlab.GPT` is one, so prefill, decode
 steps and speculative verification all go through the same layers.
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -39,6 +40,7 @@ __all__ = [
     "SwiGLU",
     "Linear",
     "row_split_linear",
+    "RowBlocks",
     "row_blocks",
     "blocks_product",
     "row_split",
@@ -81,70 +83,93 @@ def new_gelu(x: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- linear layers for decoding
 
-_ROW_PARTS: int | None = None  # None: torch.get_num_threads() (see row_split)
-ROW_SPLIT_MAX_ROWS = 32  # row-split products with at most this many input vectors
+_ROW_PARTS: int | None = None  # None: 2 * torch.get_num_threads() (see row_split)
+ROW_SPLIT_MAX_ROWS = 32  # packed products for at most this many input vectors ...
+ROW_SPLIT_MIN_WEIGHT = 1 << 17  # ... and weights of at least this many numbers (512 KB in float32)
 
 
-def _row_parts(out_features: int, parts: int) -> int:
-    """The largest count <= ``parts`` of equal row blocks, none thinner than 16 rows."""
-    p = max(1, parts)
-    while p > 1 and (out_features % p or out_features // p < 16):
-        p -= 1
-    return p
+class RowBlocks(NamedTuple):
+    """A weight (out, in) packed for decoding's products (:func:`row_blocks`)."""
+
+    weight: Tensor  # (P, in, part): block p is rows p*part .. (p+1)*part - 1 of the weight, transposed
+    bias: Tensor | None  # (P, 1, part)
+    out_features: int  # out <= P * part: the last block is padded with zero rows
+    indices: Tensor  # (P * in,) int64: 0, 1, ..., P*in - 1, the table rows one vector's product sums
+    offsets: Tensor  # (P,) int64: where each block's sum starts, 0, in, 2 in, ...
+
+
+def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
+    """Pack ``weight`` (out, in) and ``bias`` (out,) for :func:`blocks_product`: the weight's rows
+    in ``parts`` equal blocks, each stored transposed and contiguous, (P, in, part) with
+    ``part = ceil(out / P)`` (zero rows pad the last block), the bias likewise (P, 1, part). A copy,
+    detached from autograd: made once per weight by :class:`Linear`, which remakes it when the
+    weight changes."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an int >= 1, got {parts!r}")
+    out, inp = weight.shape
+    part = -(-out // parts)
+    with torch.no_grad():
+        w = weight.new_zeros(parts * part, inp)
+        w[:out] = weight
+        blocks = w.view(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
+        b = None
+        if bias is not None:
+            b = bias.new_zeros(parts * part)
+            b[:out] = bias
+            b = b.view(parts, 1, part)
+    indices = torch.arange(parts * inp, device=weight.device)
+    offsets = torch.arange(0, parts * inp, max(inp, 1), device=weight.device)
+    return RowBlocks(blocks, b, out, indices, offsets)
+
+
+def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """``F.linear(x, weight, bias)`` from the packed weight of :func:`row_blocks`: x (..., in) ->
+    (..., out), the P blocks in one call that spreads them over the cores.
+
+    One vector (a batch-1 decode step) is the case that matters: ``y = sum_i x_i W^T[i, :]``, a
+    weighted sum of the rows of ``W^T``, which is what ``torch.embedding_bag`` computes (mode sum
+    with ``per_sample_weights``, one bag per block). Its kernel streams the table from memory about
+    twice as fast as BLAS's matrix-vector product on the CPUs measured (``python -m gptlab bench
+    generate``), and a decode step spends most of its time reading weights. Several vectors run a
+    batched matrix product, ``torch.baddbmm``, which reads each block once for all of them.
+    """
+    w = blocks.weight
+    P, inp, part = w.shape
+    lead = x.shape[:-1]
+    n = math.prod(lead)
+    if n == 1 and inp > 0:
+        weights = x.reshape(1, inp).expand(P, inp).reshape(P * inp)  # x once per block
+        y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
+        if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
+            y = y.add_(blocks.bias.view(P, part))
+        y = y.view(*lead, P * part)
+    else:
+        x2 = x.reshape(1, n, inp).expand(P, n, inp)
+        y = torch.bmm(x2, w) if blocks.bias is None else torch.baddbmm(blocks.bias, x2, w)  # (P, n, part)
+        y = y.transpose(0, 1).reshape(*lead, P * part)  # block p holds outputs p*part ..
+    return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
 
 
 def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: int = 2) -> Tensor:
-    """``F.linear(x, weight, bias)`` computed as ``parts`` row blocks of ``weight`` in one batched
-    matrix product: x (..., in), weight (out, in), bias (out,) -> (..., out).
+    """``F.linear(x, weight, bias)`` computed as :class:`Linear` computes a decode step's product:
+    x (..., in), weight (out, in), bias (out,) -> (..., out), the weight's rows split in ``parts``
+    blocks (:func:`row_blocks`) multiplied in one call (:func:`blocks_product`).
 
     Why: decoding multiplies a handful of vectors by each weight matrix, so a step is memory-bound
-    (every weight is read once) and BLAS runs such a product on one core. Split in row blocks,
-    ``torch.bmm`` hands each core its own block to stream, and a 2-core CPU reads the weights
-    about 1.6x faster (``python -m gptlab bench generate`` reports the bare chains both ways). The
-    blocks are views of ``weight`` (no copy) and each output is the same dot product, so the
-    result equals ``F.linear``'s up to float rounding. Fewer parts are used when ``out`` is not
-    divisible or the blocks would be thinner than 16 rows; a non-contiguous weight is not split.
+    (every weight is read once per token, a few dozen floating-point operations per byte at most)
+    and what counts is how fast the weights stream from memory. ``F.linear`` runs one vector's
+    product on one core; the blocks put every core to work, each reading its own contiguous block.
+    Each output is the same dot product, summed in another order, so the result equals
+    ``F.linear``'s up to float rounding. (This packs the weight on every call; :class:`Linear`
+    packs it once.)
     """
-    blocks = row_blocks(weight, bias, parts)
-    if blocks is None:
-        return F.linear(x, weight, bias)
-    return blocks_product(x, *blocks)
-
-
-def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> tuple[Tensor, Tensor | None] | None:
-    """The row blocks :func:`row_split_linear` multiplies by: weight (out, in) -> (P, in, out/P)
-    and bias (out,) -> (P, 1, out/P), views of the same memory (detached: an optimiser's in-place
-    update shows through). None when the product is not split (one part, or a non-contiguous
-    weight)."""
-    out, inp = weight.shape
-    p = _row_parts(out, parts) if weight.is_contiguous() else 1
-    if p == 1:
-        return None
-    w = weight.detach().view(p, out // p, inp).transpose(1, 2)  # (P, in, out/P): a view
-    b = None if bias is None else bias.detach().view(p, 1, out // p)
-    return w, b
-
-
-def blocks_product(x: Tensor, blocks: Tensor, bias_blocks: Tensor | None) -> Tensor:
-    """x (..., in) times the row blocks (P, in, out/P) (+ bias blocks (P, 1, out/P)) of
-    :func:`row_blocks`, in one batched product -> (..., out), outputs in the weight's row order."""
-    p, inp, part = blocks.shape
-    lead = x.shape[:-1]
-    # (P, N, in): views of x's N = B * T vectors (one batch row, as in decoding, needs no reshape)
-    x2 = (x if x.dim() == 3 and lead[0] == 1 else x.reshape(1, -1, inp)).expand(p, -1, -1)
-    if bias_blocks is None:
-        y = torch.bmm(x2, blocks)  # (P, N, out/P)
-    else:
-        y = torch.baddbmm(bias_blocks, x2, blocks)
-    if x2.shape[1] == 1:  # one vector: (P, 1, out/P) is already the outputs in order
-        return y.view(*lead, p * part)
-    return y.transpose(0, 1).reshape(*lead, p * part)  # block p holds outputs p*out/P..
+    return blocks_product(x, row_blocks(weight, bias, parts))
 
 
 @contextmanager
 def row_split(parts: int | None) -> Iterator[None]:
-    """Within the block, :class:`Linear` splits its small products in ``parts`` row blocks
-    (``1``: never; ``None``: ``torch.get_num_threads()``, the default)."""
+    """Within the block, :class:`Linear` packs its decode-step products in ``parts`` row blocks
+    (``1``: never, plain ``F.linear``; ``None``: twice ``torch.get_num_threads()``, the default)."""
     global _ROW_PARTS
     if parts is not None and (isinstance(parts, bool) or not isinstance(parts, int) or parts < 1):
         raise ValueError(f"parts must be None or an int >= 1, got {parts!r}")
@@ -156,33 +181,49 @@ def row_split(parts: int | None) -> Iterator[None]:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) whose product, when it is small (at most
-    ``ROW_SPLIT_MAX_ROWS`` input vectors), on a CPU, without autograd (``torch.no_grad`` or
-    ``torch.inference_mode``: decoding), is split over the cores as :func:`row_split_linear` does.
-    The row-block views are made once and kept until the weight, the bias or the part count
-    changes (a decode step runs a few dozen of these products; re-slicing the weight each time
-    cost as much as a small product itself). Training and long prefills run ``F.linear``
-    unchanged."""
+    """``nn.Linear`` (same parameters, same state dict) that runs a decode step's products fast on
+    a CPU.
 
-    _blocks: tuple | None = None  # (key, row_blocks(...)) of the last split
+    When the product is small (at most ``ROW_SPLIT_MAX_ROWS`` input vectors), the weight large (at
+    least ``ROW_SPLIT_MIN_WEIGHT`` numbers; smaller ones stay in the caches between tokens and are
+    faster whole) and autograd off (``torch.no_grad`` or ``torch.inference_mode``: decoding), it
+    runs :func:`blocks_product` on a packed copy of its weight (:func:`row_blocks`). The copy is
+    made on the first such call and remade when the weight or bias changes: replaced (tying,
+    ``.data =``, ``load_state_dict(assign=True)``, ``.to()``) or modified in place (an optimiser
+    step, ``load_state_dict``, anything under ``torch.no_grad``: PyTorch counts these in the
+    tensor's ``_version``). PyTorch does not count changes made through ``.data`` (``w.data.mul_``),
+    so after one of those call :meth:`unpack`. Training and long prefills run ``F.linear``
+    unchanged; so does everything off the CPU.
+    """
+
+    _packed: tuple | None = None  # (key, RowBlocks) of the last packed product
 
     def forward(self, x: Tensor) -> Tensor:
         params = self._parameters  # (plain dict reads: a decode step runs this a few dozen times)
         w, b = params["weight"], params.get("bias")
-        if not torch.is_grad_enabled() and x.is_cpu and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features:
-            parts = torch.get_num_threads() if _ROW_PARTS is None else _ROW_PARTS
+        if (not torch.is_grad_enabled() and x.is_cpu and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features
+                and w.numel() >= ROW_SPLIT_MIN_WEIGHT and not w.is_inference()):
+            parts = 2 * torch.get_num_threads() if _ROW_PARTS is None else _ROW_PARTS
             if parts > 1:
-                key = (parts, w.data_ptr(), None if b is None else b.data_ptr())
-                cached = self._blocks
-                if cached is None or cached[0] != key:  # first call, or the weights were replaced
-                    cached = self._blocks = (key, row_blocks(w, b, parts))
-                if cached[1] is not None:
-                    return blocks_product(x, *cached[1])
+                key = (parts, w.data_ptr(), w._version) if b is None else \
+                    (parts, w.data_ptr(), w._version, b.data_ptr(), b._version)
+                packed = self._packed
+                if packed is None or packed[0] != key:  # first call, or the weights changed
+                    packed = self._packed = (key, row_blocks(w, b, parts))
+                return blocks_product(x, packed[1])
         return F.linear(x, w, b)
+
+    def unpack(self) -> None:
+        """Drop the packed copy of the weight (remade at the next decode-step product)."""
+        self.__dict__.pop("_packed", None)
+
+    def _apply(self, fn, recurse=True):
+        self.unpack()  # .to(), .cuda(), .half(): the copy of the old weights goes with them
+        return super()._apply(fn, recurse)
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.pop("_blocks", None)  # views, remade on demand: never pickled or deep-copied
+        state.pop("_packed", None)  # a copy, remade on demand: never pickled or deep-copied
         return state
 
 
