@@ -15,9 +15,10 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
   real token). Positions come from the mask's cumulative sum, so each row generates exactly what it
   would alone.
 * Every step calls the model's decoding API, :meth:`gptlab.GPT.decode` (its one forward path,
-  with a cache). On a CPU its linear layers split the few-token products of a decode step in row
-  blocks over the cores (:class:`gptlab.layers.Linear`), which is what makes batch-1 decoding
-  fast; ``fast=False`` turns that off. ``python -m gptlab bench generate`` measures both.
+  with a cache). On a CPU its linear layers run the few-token products of a decode step on a copy of
+  their weights packed in row blocks, every core streaming its own (:class:`gptlab.layers.Linear`),
+  which is what makes batch-1 decoding fast: a step's time goes mostly into reading the weights.
+  ``fast=False`` turns that off. ``python -m gptlab bench generate`` measures both.
   Speculative decoding (:mod:`gptlab.speculative`) calls the same API.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
@@ -279,8 +280,8 @@ def generate(
     generator: a ``torch.Generator`` for reproducible sampling.
     attention_mask: (B, T), 1 = real token, 0 = left padding. Each row's output equals generating
         that row alone.
-    fast: on a CPU, split the decode steps' matrix products in row blocks over the cores
-        (:func:`gptlab.layers.row_split_linear`: the same products, summed in another order);
+    fast: on a CPU, run the decode steps' matrix products on weights packed in row blocks over the
+        cores (:func:`gptlab.layers.row_split_linear`: the same products, summed in another order);
         ``False`` runs plain ``F.linear``.
 
     Logits holding NaN or only ``-inf`` (a diverged checkpoint) raise ``ValueError`` rather than

@@ -86,40 +86,42 @@ def new_gelu(x: Tensor) -> Tensor:
 _ROW_PARTS: int | None = None  # None: 2 * torch.get_num_threads() (see row_split)
 ROW_SPLIT_MAX_ROWS = 32  # packed products for at most this many input vectors ...
 ROW_SPLIT_MIN_WEIGHT = 1 << 17  # ... and weights of at least this many numbers (512 KB in float32)
+# One vector's product as an embedding-bag sum where PyTorch has FBGEMM's kernel for it (x86 CPUs);
+# elsewhere the bag is a plain loop, and the batched product is faster.
+EMBEDDING_BAG_PRODUCT = "fbgemm" in torch.backends.quantized.supported_engines
 
 
 class RowBlocks(NamedTuple):
-    """A weight (out, in) packed for decoding's products (:func:`row_blocks`)."""
+    """A weight (out, in) and bias (out,) packed for decoding's products (:func:`row_blocks`)."""
 
     weight: Tensor  # (P, in, part): block p is rows p*part .. (p+1)*part - 1 of the weight, transposed
-    bias: Tensor | None  # (P, 1, part)
+    bias: Tensor | None  # (P, 1, part): the same slices of the bias
     out_features: int  # out <= P * part: the last block is padded with zero rows
-    indices: Tensor  # (P * in,) int64: 0, 1, ..., P*in - 1, the table rows one vector's product sums
-    offsets: Tensor  # (P,) int64: where each block's sum starts, 0, in, 2 in, ...
+    indices: Tensor  # (P * in,) int64: 0, 1, ..., P*in - 1, every row of every block, in order
+    offsets: Tensor  # (P,) int64: 0, in, 2 in, ..., where each block's rows start
 
 
 def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
     """Pack ``weight`` (out, in) and ``bias`` (out,) for :func:`blocks_product`: the weight's rows
-    in ``parts`` equal blocks, each stored transposed and contiguous, (P, in, part) with
-    ``part = ceil(out / P)`` (zero rows pad the last block), the bias likewise (P, 1, part). A copy,
-    detached from autograd: made once per weight by :class:`Linear`, which remakes it when the
-    weight changes."""
+    in ``parts`` equal blocks of ``part = ceil(out / P)`` rows (zero rows pad the last block), each
+    stored transposed and contiguous, (P, in, part), the bias likewise (P, 1, part). A copy,
+    detached from autograd: :class:`Linear` makes it once and remakes it when the weight changes."""
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be an int >= 1, got {parts!r}")
     out, inp = weight.shape
     part = -(-out // parts)
     with torch.no_grad():
-        w = weight.new_zeros(parts * part, inp)
-        w[:out] = weight
-        blocks = w.view(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
-        b = None
+        padded = weight.new_zeros(parts * part, inp)
+        padded[:out] = weight
+        blocks = padded.view(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
+        bias_blocks = None
         if bias is not None:
-            b = bias.new_zeros(parts * part)
-            b[:out] = bias
-            b = b.view(parts, 1, part)
+            bias_blocks = bias.new_zeros(parts * part)
+            bias_blocks[:out] = bias
+            bias_blocks = bias_blocks.view(parts, 1, part)
     indices = torch.arange(parts * inp, device=weight.device)
     offsets = torch.arange(0, parts * inp, max(inp, 1), device=weight.device)
-    return RowBlocks(blocks, b, out, indices, offsets)
+    return RowBlocks(blocks, bias_blocks, out, indices, offsets)
 
 
 def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
@@ -127,26 +129,28 @@ def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
     (..., out), the P blocks in one call that spreads them over the cores.
 
     One vector (a batch-1 decode step) is the case that matters: ``y = sum_i x_i W^T[i, :]``, a
-    weighted sum of the rows of ``W^T``, which is what ``torch.embedding_bag`` computes (mode sum
-    with ``per_sample_weights``, one bag per block). Its kernel streams the table from memory about
-    twice as fast as BLAS's matrix-vector product on the CPUs measured (``python -m gptlab bench
-    generate``), and a decode step spends most of its time reading weights. Several vectors run a
-    batched matrix product, ``torch.baddbmm``, which reads each block once for all of them.
+    weighted sum of the rows of ``W^T``, which is exactly what ``torch.embedding_bag`` computes
+    (mode sum with ``per_sample_weights``, one bag per block). Its kernel (FBGEMM's, on x86 CPUs:
+    ``EMBEDDING_BAG_PRODUCT``) streams the table from memory several times faster than a BLAS
+    matrix-vector product on the CPUs measured (``python -m gptlab bench generate`` reports both),
+    and a decode step spends most of its time reading weights. Several vectors, or one where that
+    kernel is missing, run a batched matrix product, ``torch.baddbmm``, which reads each block once
+    for all of them.
     """
     w = blocks.weight
     P, inp, part = w.shape
     lead = x.shape[:-1]
-    n = math.prod(lead)
-    if n == 1 and inp > 0:
+    if EMBEDDING_BAG_PRODUCT and x.numel() == inp and inp > 0:  # one vector
         weights = x.reshape(1, inp).expand(P, inp).reshape(P * inp)  # x once per block
         y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
         if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
             y = y.add_(blocks.bias.view(P, part))
         y = y.view(*lead, P * part)
     else:
+        n = math.prod(lead)
         x2 = x.reshape(1, n, inp).expand(P, n, inp)
         y = torch.bmm(x2, w) if blocks.bias is None else torch.baddbmm(blocks.bias, x2, w)  # (P, n, part)
-        y = y.transpose(0, 1).reshape(*lead, P * part)  # block p holds outputs p*part ..
+        y = y.transpose(0, 1).reshape(*lead, P * part)  # (n, P, part): block p holds outputs p*part ..
     return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
 
 

@@ -199,7 +199,7 @@ def test_make_cache_choices():
 def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
     """The model's decode API (static cache, no padding) computes the full forward's logits, one
     token at a time and a few at a time (speculative verification), for every variant, with its
-    matrix products whole (parts=1) or split in row blocks over the cores (parts > 1)."""
+    matrix products whole (parts=1) or on packed row blocks (parts > 1)."""
     from gptlab import layers
 
     calls = []
@@ -294,13 +294,18 @@ def test_linear_row_blocks_follow_the_weights(monkeypatch):
     same()
 
 
+@pytest.mark.parametrize("bag", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(96, 32), (65, 32), (8, 32)])
-def test_row_split_linear_equals_f_linear(shape, bias):
-    """The packed product equals F.linear for one vector (the embedding-bag sum) and several (the
-    batched product), whatever the number of parts: a row count the parts do not divide (65), or
-    fewer rows than parts (8 rows in 7 parts), is padded with zero rows and cut back."""
+def test_row_split_linear_equals_f_linear(shape, bias, bag, monkeypatch):
+    """The packed product equals F.linear for one vector (the embedding-bag sum, or the batched
+    product where FBGEMM is missing) and several (the batched product), whatever the number of
+    parts: a row count the parts do not divide (65), or fewer rows than parts (8 rows in 7 parts),
+    is padded with zero rows and cut back."""
+    from gptlab import layers
     from gptlab.layers import row_blocks, row_split_linear
+
+    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", bag)
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(shape, generator=g)
@@ -327,6 +332,8 @@ def test_blocks_product_uses_the_embedding_bag_for_one_vector(monkeypatch):
     the batched product; both equal F.linear (checked above)."""
     from gptlab import layers
 
+    assert layers.EMBEDDING_BAG_PRODUCT == ("fbgemm" in torch.backends.quantized.supported_engines)
+    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", True)
     used = []
     for name in ("embedding_bag", "baddbmm", "bmm"):
         real = getattr(torch, name)
@@ -339,6 +346,9 @@ def test_blocks_product_uses_the_embedding_bag_for_one_vector(monkeypatch):
     assert used == ["embedding_bag", "baddbmm"]
     layers.blocks_product(torch.randn(2, 32), layers.row_blocks(w, None, 4))
     assert used == ["embedding_bag", "baddbmm", "bmm"]
+    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", False)  # no FBGEMM (an Arm CPU)
+    layers.blocks_product(torch.randn(1, 1, 32), blocks)
+    assert used[-1] == "baddbmm"
 
 
 def test_linear_splits_only_small_cpu_products_without_autograd(monkeypatch):

@@ -22,7 +22,7 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
 * ``gptlab_uncached``, ``gptlab_concat``, ``gptlab_static_fwd`` and ``gptlab_cached``:
   :func:`gptlab.generate` without a cache, with the teaching :class:`~gptlab.kvcache.ConcatKVCache`,
   with the :class:`~gptlab.kvcache.StaticKVCache` and plain ``F.linear`` products (``fast=False``),
-  and the default: static cache, products split over the cores (``fast=True``). All four run the
+  and the default: static cache, products on the packed row blocks (``fast=True``). All four run the
   model's one forward path (:meth:`gptlab.GPT.decode` with a cache).
 
 The contenders run interleaved, round after round, and each reports its best round (the least
