@@ -141,7 +141,7 @@ def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
     P, inp, part = w.shape
     lead = x.shape[:-1]
     if EMBEDDING_BAG_PRODUCT and x.numel() == inp and inp > 0:  # one vector
-        weights = x.reshape(1, inp).expand(P, inp).reshape(P * inp)  # x once per block
+        weights = torch.cat([x.reshape(inp)] * P)  # (P * in,): x once per block
         y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
         if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
             y = y.add_(blocks.bias.view(P, part))

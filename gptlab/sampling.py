@@ -296,9 +296,10 @@ def check_drawn(logits: Tensor, tokens: Tensor) -> None:
     """Raise ``ValueError`` if a row's chosen token is not a real choice: logits (B, V), tokens
     (B, 1). A row of logits holding NaN, or only ``-inf``, is no distribution; the arg-max or a
     draw from it returns some id (often 0) whose logit is NaN or ``-inf``, and a diverged model
-    would emit that id forever. Costs one gather and one comparison."""
-    ok = logits.gather(-1, tokens) > float("-inf")  # False for -inf and for NaN
-    if not bool(ok.all()):
+    would emit that id forever. Costs one gather and one reduction (a decode step pays it)."""
+    chosen = logits.gather(-1, tokens)  # (B, 1)
+    if not float(chosen.min()) > float("-inf"):  # the minimum is NaN if any is; False for NaN and -inf
+        ok = chosen > float("-inf")
         _not_a_distribution(logits, int((~ok).nonzero()[0, 0]))
 
 

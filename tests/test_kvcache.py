@@ -257,6 +257,11 @@ def test_linear_row_blocks_follow_the_weights(monkeypatch):
     packed = lin._packed
     same()
     assert lin._packed is packed  # kept between calls while nothing changes
+    lin.unpack()
+    with torch.inference_mode():  # packed under inference mode (as generate does) ...
+        lin(x)
+    assert lin._packed[1].weight.is_inference()
+    same()  # ... and used under no_grad: reading inference tensors is allowed
     with torch.no_grad():
         lin.weight.mul_(2.0)  # in place (an optimiser step)
     same()
