@@ -160,8 +160,8 @@ def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, part
     blocks (:func:`row_blocks`) multiplied in one call (:func:`blocks_product`).
 
     Why: decoding multiplies a handful of vectors by each weight matrix, so a step is memory-bound
-    (every weight is read once per token, a few dozen floating-point operations per byte at most)
-    and what counts is how fast the weights stream from memory. ``F.linear`` runs one vector's
+    (every 4-byte weight is read once per token for two floating-point operations per vector) and
+    what counts is how fast the weights stream from memory. ``F.linear`` runs one vector's
     product on one core; the blocks put every core to work, each reading its own contiguous block.
     Each output is the same dot product, summed in another order, so the result equals
     ``F.linear``'s up to float rounding. (This packs the weight on every call; :class:`Linear`
@@ -190,9 +190,10 @@ class Linear(nn.Linear):
 
     When the product is small (at most ``ROW_SPLIT_MAX_ROWS`` input vectors), the weight large (at
     least ``ROW_SPLIT_MIN_WEIGHT`` numbers; smaller ones stay in the caches between tokens and are
-    faster whole) and autograd off (``torch.no_grad`` or ``torch.inference_mode``: decoding), it
-    runs :func:`blocks_product` on a packed copy of its weight (:func:`row_blocks`). The copy is
-    made on the first such call and remade when the weight or bias changes: replaced (tying,
+    faster whole) and float32, and autograd off (``torch.no_grad`` or ``torch.inference_mode``:
+    decoding), it runs :func:`blocks_product` on a packed copy of its weight (:func:`row_blocks`),
+    which costs as much memory again as the weight. The copy is made on the first such call and
+    remade when the weight or bias changes: replaced (tying,
     ``.data =``, ``load_state_dict(assign=True)``, ``.to()``) or modified in place (an optimiser
     step, ``load_state_dict``, anything under ``torch.no_grad``: PyTorch counts these in the
     tensor's ``_version``). PyTorch does not count changes made through ``.data`` (``w.data.mul_``),
@@ -206,7 +207,7 @@ class Linear(nn.Linear):
         params = self._parameters  # (plain dict reads: a decode step runs this a few dozen times)
         w, b = params["weight"], params.get("bias")
         if (not torch.is_grad_enabled() and x.is_cpu and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features
-                and w.numel() >= ROW_SPLIT_MIN_WEIGHT and not w.is_inference()):
+                and w.numel() >= ROW_SPLIT_MIN_WEIGHT and w.dtype == torch.float32 and not w.is_inference()):
             parts = 2 * torch.get_num_threads() if _ROW_PARTS is None else _ROW_PARTS
             if parts > 1:
                 key = (parts, w.data_ptr(), w._version) if b is None else \

@@ -246,12 +246,12 @@ def test_linear_row_blocks_follow_the_weights(monkeypatch):
     lin = layers.Linear(32, 96)
     x = torch.randn(1, 2, 32, generator=g)
 
-    def same():
+    def same(packed=True):
         for xi in (x, x[:, :1], x[0]):  # several vectors, one (a batch-1 decode step), 2-D input
             with torch.no_grad(), layers.row_split(2):
                 y = lin(xi)
             torch.testing.assert_close(y, F.linear(xi, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-        assert lin._packed is not None  # the packed product ran
+        assert (lin._packed is not None) == packed  # the packed product ran (float32 weights only)
 
     same()
     packed = lin._packed
@@ -294,6 +294,9 @@ def test_linear_row_blocks_follow_the_weights(monkeypatch):
     lin.double()
     assert "_packed" not in lin.__dict__  # .to() / .double() drop the copy of the old weights
     x = x.double()
+    same(packed=False)  # float64: F.linear
+    lin.float()
+    x = x.float()
     same()
     lin.bias = None  # no bias
     same()
