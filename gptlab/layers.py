@@ -43,6 +43,8 @@ __all__ = [
     "RowBlocks",
     "row_blocks",
     "blocks_product",
+    "bag_product",
+    "batched_product",
     "row_split",
 ]
 
@@ -128,29 +130,44 @@ def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
     """``F.linear(x, weight, bias)`` from the packed weight of :func:`row_blocks`: x (..., in) ->
     (..., out), the P blocks in one call that spreads them over the cores.
 
-    One vector (a batch-1 decode step) is the case that matters: ``y = sum_i x_i W^T[i, :]``, a
-    weighted sum of the rows of ``W^T``, which is exactly what ``torch.embedding_bag`` computes
-    (mode sum with ``per_sample_weights``, one bag per block). Its kernel (FBGEMM's, on x86 CPUs:
-    ``EMBEDDING_BAG_PRODUCT``) streams the table from memory several times faster than a BLAS
-    matrix-vector product on the CPUs measured (``python -m gptlab bench generate`` reports both),
-    and a decode step spends most of its time reading weights. Several vectors, or one where that
-    kernel is missing, run a batched matrix product, ``torch.baddbmm``, which reads each block once
-    for all of them.
+    One vector (a batch-1 decode step, the case that matters) runs :func:`bag_product` where
+    FBGEMM's embedding-bag kernel exists (``EMBEDDING_BAG_PRODUCT``: x86 CPUs); several vectors, or
+    one where that kernel is missing, run :func:`batched_product`. ``python -m gptlab bench
+    generate`` measures both on one vector.
+    """
+    if EMBEDDING_BAG_PRODUCT and x.numel() == blocks.weight.shape[1] > 0:
+        return bag_product(x, blocks)
+    return batched_product(x, blocks)
+
+
+def bag_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """One vector's product from the packed blocks: x (..., in) holding one vector -> (..., out).
+
+    ``y = sum_i x_i W^T[i, :]`` is a weighted sum of the rows of ``W^T``, exactly what
+    ``torch.embedding_bag`` computes (mode sum with ``per_sample_weights``, one bag per block). Its
+    kernel streams the table from memory several times faster than a BLAS matrix-vector product on
+    the CPUs measured, and a decode step spends most of its time reading weights.
     """
     w = blocks.weight
     P, inp, part = w.shape
+    weights = torch.cat([x.reshape(inp)] * P)  # (P * in,): x once per block
+    y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
+    if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
+        y = y.add_(blocks.bias.view(P, part))
+    y = y.view(*x.shape[:-1], P * part)
+    return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
+
+
+def batched_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """Any number of vectors' product from the packed blocks: x (..., in) -> (..., out), one
+    batched matrix product (``torch.baddbmm``) that reads each block once for all the vectors."""
+    w = blocks.weight
+    P, inp, part = w.shape
     lead = x.shape[:-1]
-    if EMBEDDING_BAG_PRODUCT and x.numel() == inp and inp > 0:  # one vector
-        weights = torch.cat([x.reshape(inp)] * P)  # (P * in,): x once per block
-        y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
-        if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
-            y = y.add_(blocks.bias.view(P, part))
-        y = y.view(*lead, P * part)
-    else:
-        n = math.prod(lead)
-        x2 = x.reshape(1, n, inp).expand(P, n, inp)
-        y = torch.bmm(x2, w) if blocks.bias is None else torch.baddbmm(blocks.bias, x2, w)  # (P, n, part)
-        y = y.transpose(0, 1).reshape(*lead, P * part)  # (n, P, part): block p holds outputs p*part ..
+    n = math.prod(lead)
+    x2 = x.reshape(1, n, inp).expand(P, n, inp)
+    y = torch.bmm(x2, w) if blocks.bias is None else torch.baddbmm(blocks.bias, x2, w)  # (P, n, part)
+    y = y.transpose(0, 1).reshape(*lead, P * part)  # (n, P, part): block p holds outputs p*part ..
     return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
 
 

@@ -17,8 +17,9 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
   (:func:`gptlab.layers.row_blocks`), one vector's product an embedding-bag sum over each block
   (:func:`gptlab.layers.blocks_product`). The floor for the half-rate target is the faster of the
   two chains;
-* ``bare_matvec_blocks_bmm``: the packed blocks multiplied by ``torch.bmm`` instead (a batched
-  BLAS product): what the embedding bag is compared with;
+* ``bare_matvec_blocks_bmm``: the packed blocks multiplied by ``torch.bmm`` instead
+  (:func:`gptlab.layers.batched_product`, a batched BLAS product): what the embedding bag is
+  compared with;
 * ``gptlab_uncached``, ``gptlab_concat``, ``gptlab_static_fwd`` and ``gptlab_cached``:
   :func:`gptlab.generate` without a cache, with the teaching :class:`~gptlab.kvcache.ConcatKVCache`,
   with the :class:`~gptlab.kvcache.StaticKVCache` and plain ``F.linear`` products (``fast=False``),
@@ -75,7 +76,7 @@ def add_arguments(parser) -> None:
 
 def _contenders(model, hf, n_new: int, device) -> dict:
     from ..generation import generate
-    from ..layers import blocks_product, row_blocks
+    from ..layers import batched_product, blocks_product, row_blocks
 
     parts = 2 * torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
@@ -132,9 +133,8 @@ def _contenders(model, hf, n_new: int, device) -> dict:
         return lambda x: blocks_product(x, blocks)
 
     def blocks_bmm(w):  # the packed blocks through one batched BLAS product
-        blocks = row_blocks(w, None, parts).weight  # (P, in, part)
-        p, inp, part = blocks.shape
-        return lambda x: torch.bmm(x.reshape(1, 1, inp).expand(p, 1, inp), blocks).view(1, p * part)[:, : w.shape[0]]
+        blocks = row_blocks(w, None, parts)
+        return lambda x: batched_product(x, blocks)
 
     out = {}
     if hf is not None:
