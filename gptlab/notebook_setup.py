@@ -81,6 +81,20 @@ def render_setup_source(repo_url: str, branch: str = "main") -> str:
     return _TEMPLATE.format(repo_url=repo_url, branch=branch)
 
 
+def is_setup_source(source: str) -> bool:
+    """Whether ``source`` is exactly a rendered set-up cell (for any repository and branch): the
+    autograder leaves such a cell out (it does nothing outside Colab) and does not read it as the
+    learner's code; any other text in its place is the learner's."""
+    head, _, rest = _TEMPLATE.partition("{repo_url}")
+    middle, _, tail = rest.partition("{branch}")
+    text = source.strip("\n")
+    if not (text.startswith(head) and text.endswith(tail)):
+        return False
+    inner = text[len(head): len(text) - len(tail)]
+    url, sep, branch = inner.rpartition(middle)
+    return bool(sep) and bool(_URL.fullmatch(url)) and bool(_BRANCH.fullmatch(branch)) and not branch.startswith("-")
+
+
 def render_setup_cell(repo_url: str, branch: str = "main") -> dict[str, Any]:
     """The set-up cell as an nbformat 4 code cell (a JSON-ready dict, no outputs)."""
     return {

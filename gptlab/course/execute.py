@@ -19,18 +19,39 @@ or ``python -m gptlab course autograde``:
   the learner's definitions, and the notebook goes on after the cell that killed it. That cell
   gets a ``DeadKernelError`` output. After ``max_kernel_restarts`` restarts, the remaining
   cells are not run (each gets a ``NotRun`` output), so a run always ends in bounded time.
+* **Test cells are not run in the kernel.** For every test cell that :data:`gptlab.grading.tasks.
+  TASKS` knows, the verdict comes from this process (:class:`gptlab.course.trusted.TrustedGrader`):
+  the kernel only runs a short server (:func:`gptlab.grading.remote.serve`) that calls the
+  learner's functions on the inputs sent to it and answers with plain data. The cell's outputs are
+  the verdict (an error output when the test failed: nbgrader scores it 0), so nothing the learner's
+  code prints, hooks or patches in the kernel can change a grade. A function stopped at its time
+  limit is remembered: later tests whose answers call it fail at once with the same note.
+* **Shell escapes are not run**: ``!cmd`` and the magics that run programs or write files
+  (``%%bash``, ``%%writefile``, ``%run``, ...) in the learner's cells become comments.
 """
 
 from __future__ import annotations
 
 import copy
+import os
+import shutil
+import signal
+import socket
 import subprocess
+import tempfile
+import threading
+import time
 
 from jupyter_core.utils import run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import Execute
 from traitlets import Integer
+
+from ..grading import remote
+from ..grading.source import neutralise_shell
+from ..notebook_setup import is_setup_source
+from .trusted import TrustedGrader, Verdict
 
 __all__ = ["GptlabExecute", "declared_timeout", "TIMEOUT_KEY"]
 
@@ -97,8 +118,12 @@ class GptlabExecute(Execute):
     async def async_start_new_kernel(self, **kwargs):
         # The kernel's own stderr (ipykernel's start-up warnings, C-level messages) would be
         # interleaved from every worker on the instructor's terminal; learners' output goes
-        # through the notebook's outputs, not there.
+        # through the notebook's outputs, not there. The kernel does not learn where the grading
+        # secret is kept.
         kwargs.setdefault("stderr", subprocess.DEVNULL)
+        from .secret import ENV
+
+        kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != ENV})
         return await super().async_start_new_kernel(**kwargs)
 
     start_new_kernel = run_sync(async_start_new_kernel)
@@ -108,11 +133,27 @@ class GptlabExecute(Execute):
     def preprocess(self, nb, resources=None, km=None):
         self._ran_ok: list[int] = []  # cells to run again after a kernel restart
         self._restarts = 0
+        self._trusted = None
+        notebook = ((resources or {}).get("nbgrader") or {}).get("notebook")
+        if notebook:
+            from .secret import load_secret
+
+            self._trusted = TrustedGrader(nb.cells, notebook, load_secret())
+        for cell in nb.cells:  # the learner's shell escapes are not run, nor the Colab set-up cell
+            meta = cell.get("metadata", {}).get("nbgrader", {})
+            if cell.cell_type == "code" and is_setup_source(cell.source):
+                cell.source = "# (the Colab set-up cell: not run by the autograder)"
+            elif cell.cell_type == "code" and not meta.get("locked") and not meta.get("grade"):
+                cell.source, _ = neutralise_shell(cell.source)
         return super().preprocess(nb, resources, km)
 
     def preprocess_cell(self, cell, resources, index):
         self._check_assign_resources(resources)
         if cell.cell_type != "code" or not cell.source.strip():
+            return cell, self.resources
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("grade") and self._trusted is not None and self._trusted.knows(meta.get("grade_id")):
+            self._grade_trusted(cell, index, meta["grade_id"])
             return cell, self.resources
         if self._restarts > self.max_kernel_restarts:
             cell.outputs = [_error("NotRun", f"not run: the kernel died {self._restarts} times in this notebook.")]
@@ -138,6 +179,89 @@ class GptlabExecute(Execute):
             if not self._timed_out:
                 self._ran_ok.append(index)
         return cell, self.resources
+
+    # -- test cells: the verdict from this process ------------------------------------------------
+
+    def _grade_trusted(self, cell: NotebookNode, index: int, grade_id: str) -> None:
+        """Grade one test cell with :class:`TrustedGrader`, the kernel serving calls meanwhile."""
+        limit = self._get_timeout(cell) or 30
+        folder = tempfile.mkdtemp(prefix="gl-")
+        address = os.path.join(folder, "s")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(1)
+        token = os.urandom(16).hex()
+        wanted, done = threading.Event(), threading.Event()
+        result: dict = {}
+
+        def connect() -> remote.Connection:
+            wanted.set()
+            sock = remote.accept(listener, token, time.monotonic() + 60)
+            conn = remote.Connection(sock, deadline=time.monotonic() + limit, limit_s=limit)
+            result["conn"] = conn
+            return conn
+
+        def run() -> None:
+            try:
+                result["verdict"] = self._trusted.grade(grade_id, connect)
+            except BaseException as e:  # noqa: BLE001 - a grader failure scores 0 with a note, never a crash
+                result["verdict"] = Verdict(False, f"the autograder could not run this test ({type(e).__name__}: "
+                                                   f"{e}); ask your instructor.", "grader_error")
+            finally:
+                done.set()
+                wanted.set()
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        wanted.wait()
+        if not done.is_set():
+            serve = NotebookNode(cell_type="code", outputs=[], execution_count=None, source=(
+                f"__import__('gptlab.grading.remote', fromlist=['serve']).serve({address!r}, {token!r}, globals())"),
+                metadata=NotebookNode(nbgrader={"grade_id": grade_id}, gptlab={"timeout": int(limit) + 20}))
+            watcher = threading.Thread(target=self._interrupt_on_timeout, args=(result, done), daemon=True)
+            watcher.start()
+            try:
+                self.execute_cell(serve, index, store_history=False)
+            except (DeadKernelError, CellTimeoutError):
+                self._restart_kernel()
+        thread.join(limit + 60)
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+        verdict = result.get("verdict") or Verdict(False, "the autograder did not finish this test; ask your "
+                                                          "instructor.", "grader_error")
+        self._show_verdict(cell, verdict)
+
+    def _interrupt_on_timeout(self, result: dict, done: threading.Event) -> None:
+        """Interrupt the kernel as soon as the grader gave up waiting for the learner's function."""
+        while not done.wait(0.2):
+            conn = result.get("conn")
+            if conn is not None and isinstance(conn.failure, remote.LearnerTimeout):
+                break
+        conn = result.get("conn")
+        if conn is None or not isinstance(conn.failure, remote.LearnerTimeout):
+            return
+        try:
+            pid = self.km.provisioner.process.pid
+            os.kill(pid, signal.SIGINT)
+        except Exception:  # noqa: BLE001 - the cell's own time limit interrupts it then
+            pass
+
+    @staticmethod
+    def _show_verdict(cell: NotebookNode, verdict: Verdict) -> None:
+        outputs = []
+        if verdict.output:
+            text = "\n".join(verdict.output)
+            outputs.append(NotebookNode(output_type="stream", name="stdout", text=(
+                "While it was checked, your code printed (shown only, never scored):\n" + text[:4000] + "\n")))
+        if verdict.passed:
+            outputs.append(NotebookNode(output_type="stream", name="stdout", text=verdict.message + "\n"))
+        else:
+            outputs.append(_error(verdict.ename, verdict.message))
+        cell.outputs = outputs
+        cell.execution_count = None
+        cell.metadata.setdefault(TIMEOUT_KEY, {})
+        cell.metadata[TIMEOUT_KEY] = {**cell.metadata[TIMEOUT_KEY], "verdict": {
+            "passed": verdict.passed, "kind": verdict.kind, "message": verdict.message}}
 
     def _restart_kernel(self) -> None:
         """A fresh kernel, with the cells that had run fine run again (their outputs discarded)."""

@@ -38,7 +38,8 @@ from torch._C import _VariableFunctions as _VF
 
 from .. import attention as _att
 from .. import GPTConfig
-from .core import ExerciseError, Forbidden, call, expect_close, expect_tensor, require_function, same
+from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function, same
+from .remote import is_module, is_module_class, load_params
 
 __all__ = [
     "check_attention_weights",
@@ -460,23 +461,21 @@ def check_causal_self_attention(cls: type, seed: int = 0) -> None:
     a composed block). Cases: (B, T, C, n_head) = (2, 6, 16, 4), (1, 5, 12, 1), (3, 1, 8, 2),
     (2, 9, 24, 3). A difference is explained by re-running known buggy variants with the same weights.
     """
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+    if not is_module_class(cls):
         raise ExerciseError(
-            f"the check expects your class CausalSelfAttention (a subclass of nn.Module), got {type(cls).__name__}."
+            f"the check expects your class CausalSelfAttention (a subclass of nn.Module), got {describe(cls)}."
         )
     g = torch.Generator().manual_seed(seed)
     for B, T, C, H in ((2, 6, 16, 4), (1, 5, 12, 1), (3, 1, 8, 2), (2, 9, 24, 3)):
         ref = _reference_layer(C, H, g)
         x = torch.randn(B, T, C, generator=g)
         module = call(cls, "CausalSelfAttention", C, H, forbidden=_FORBIDDEN_LAYER)
-        if not isinstance(module, nn.Module):
-            raise ExerciseError(f"CausalSelfAttention({C}, {H}) should be an nn.Module, got {type(module).__name__}.")
+        if not is_module(module):
+            raise ExerciseError(f"CausalSelfAttention({C}, {H}) should be an nn.Module, got {describe(module)}.")
         w_attn, b_attn = _linear_parts(module, "c_attn", (3 * C, C))
         w_proj, b_proj = _linear_parts(module, "c_proj", (C, C))
-        with torch.no_grad():
-            for mine, theirs in ((w_attn, ref.c_attn.weight), (b_attn, ref.c_attn.bias),
-                                 (w_proj, ref.c_proj.weight), (b_proj, ref.c_proj.bias)):
-                mine.copy_(theirs)
+        load_params(module, {"c_attn.weight": ref.c_attn.weight, "c_attn.bias": ref.c_attn.bias,
+                             "c_proj.weight": ref.c_proj.weight, "c_proj.bias": ref.c_proj.bias})
         module.eval()
         text = f"x of shape {(B, T, C)}, n_head={H} (seeded), with gptlab's c_attn and c_proj weights"
         with torch.no_grad():

@@ -37,6 +37,7 @@ from .. import layers as _layers
 from .. import model as _model
 from .. import rope as _rope
 from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function
+from .remote import is_module, is_module_class, load_params
 
 __all__ = ["check_layer_norm", "check_gelu", "check_rms_norm", "check_apply_rope", "check_Block"]
 
@@ -451,9 +452,7 @@ def _load_reference_weights(block: nn.Module, ref: nn.Module) -> None:
             elif q.dim() == 2:
                 hint = " c_fc maps C -> 4C, c_proj maps 4C -> C; c_attn maps C -> 3C."
             raise ExerciseError(f"Block's parameter {k} has shape {tuple(q.shape)}, expected {tuple(p.shape)}.{hint}")
-    with torch.no_grad():
-        for k, p in want.items():
-            mine[k].copy_(p.to(dtype=mine[k].dtype))
+    load_params(block, {k: p.to(dtype=mine[k].dtype) for k, p in want.items()})
 
 
 def check_Block(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the learner's class
@@ -466,13 +465,13 @@ def check_Block(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after t
     float64 on seeded inputs, one token, a batch of one and large values (atol 2e-5, rtol 2e-4).
     Forbids gptlab's Block, MLP and CausalSelfAttention and PyTorch's transformer layers.
     """
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise TypeError(f"check_Block expects your Block class (a subclass of nn.Module), got {describe(cls)}")
+    if not is_module_class(cls):
+        raise ExerciseError(f"check_Block expects your Block class (a subclass of nn.Module), got {describe(cls)}.")
     n_embd, n_head = 32, 4
     ref = _reference_block(n_embd, n_head, seed)
     block = call(cls, "Block", n_embd, n_head, forbidden=_FORBID_BLOCK)
-    if not isinstance(block, nn.Module):
-        raise ExerciseError(f"Block({n_embd}, {n_head}) should create an nn.Module, got {type(block).__name__}.")
+    if not is_module(block):
+        raise ExerciseError(f"Block({n_embd}, {n_head}) should create an nn.Module, got {describe(block)}.")
     _load_reference_weights(block, ref)
     block.eval()  # no dropout
     g = torch.Generator().manual_seed(seed + 1)

@@ -39,8 +39,12 @@ from torch._C import _VariableFunctions as _VF
 __all__ = [
     "ExerciseError",
     "DelegationError",
+    "LearnerTimeout",
+    "LearnerCrashed",
     "Forbidden",
     "forbid",
+    "forbidden_specs",
+    "resolve_forbidden",
     "call",
     "expect_tensor",
     "expect_close",
@@ -59,6 +63,14 @@ class ExerciseError(AssertionError):
 
 class DelegationError(ExerciseError):
     """The learner's function called the reference (or the fused PyTorch op) it must replace."""
+
+
+class LearnerTimeout(ExerciseError):
+    """The learner's function did not answer within the test's time limit (autograder)."""
+
+
+class LearnerCrashed(ExerciseError):
+    """The learner's process died, or sent something that is not plain data, while running a function."""
 
 
 # --------------------------------------------------------------------------- showing values
@@ -137,6 +149,16 @@ class Forbidden:
     target: Any
     name: str
 
+    def spec(self) -> list[str]:
+        """``[module, qualified name, name]``: how another process finds the same entry point
+        (:func:`resolve_forbidden`)."""
+        t = self.target.__func__ if isinstance(self.target, MethodType) else self.target
+        if isinstance(t, MethodDescriptorType):
+            owner = t.__objclass__
+            return [owner.__module__, f"{owner.__qualname__}.{t.__name__}", self.name]
+        module = getattr(t, "__module__", None) or "builtins"
+        return [module, getattr(t, "__qualname__", getattr(t, "__name__", "")), self.name]
+
     def keys(self) -> set:
         """The code keys and builtin ids that identify this entry point when it is called."""
         out: set = set()
@@ -156,6 +178,22 @@ class Forbidden:
             else:
                 out.add(("builtin", id(t)))
         return out
+
+
+def resolve_forbidden(spec: Sequence[str]) -> Any:
+    """The entry point a :meth:`Forbidden.spec` names, imported in this process."""
+    import importlib
+
+    module, qual = str(spec[0]), str(spec[1])
+    obj: Any = importlib.import_module(module)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def forbidden_specs(entries: Sequence[Forbidden]) -> list[list[str]]:
+    """:meth:`Forbidden.spec` of each entry (what the learner's process is told to forbid)."""
+    return [e.spec() for e in entries]
 
 
 def _code_key(code: CodeType) -> tuple:
@@ -216,6 +254,19 @@ def forbid(entries: Sequence[Forbidden], task: str):
 # --------------------------------------------------------------------------- calling the learner
 
 
+_recorded: list | None = None
+"""While the autograder grades a task, every forbidden entry point its check passes to :func:`call`
+(the list the source is then read against, :mod:`gptlab.grading.source`); None otherwise."""
+
+
+def record_forbidden(start: bool) -> list:
+    """Start (``True``) or stop recording the entry points checks forbid; returns what was recorded."""
+    global _recorded
+    got = list(_recorded or [])
+    _recorded = [] if start else None
+    return got
+
+
 def call(
     fn: Callable,
     name: str,
@@ -231,11 +282,18 @@ def call(
     argument in place (when ``check_inputs_unchanged``), or calls a ``forbidden`` entry point
     (:class:`DelegationError`).
     """
+    from .remote import Remote
+
+    if _recorded is not None:
+        _recorded.extend(forbidden)
     before = {i: a.detach().clone() for i, a in enumerate(args) if isinstance(a, Tensor) and a.device.type != "meta"}
     arg_text = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
     try:
-        with forbid(forbidden, name):
-            out = fn(*args, **kwargs)
+        if isinstance(fn, Remote):  # the learner's process forbids, runs and answers; judged here
+            out = fn._conn.call(fn, args, kwargs, tuple(forbidden), name)
+        else:
+            with forbid(forbidden, name):
+                out = fn(*args, **kwargs)
     except DelegationError:
         raise
     except NotImplementedError:

@@ -29,6 +29,7 @@ diagnosis; only then the graded run of ``BUDGET["steps"]`` steps.
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +42,8 @@ from torch import Tensor
 from .. import model as _model
 from .. import train as _train
 from .. import train_config as _train_config
-from .core import ExerciseError, Forbidden, call, expect_close, expect_tensor, require_function
+from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function
+from .remote import Remote, is_module, isinstance_of, load_params, make, same_object
 
 __all__ = [
     "check_GPT",
@@ -103,7 +105,8 @@ def _simulate(ref: _model.GPT, idx: Tensor, *, positions: bool = True, final_nor
 
 def _learner_params(model: nn.Module) -> dict[str, Tensor]:
     buffers = {n for n, _ in model.named_buffers()}
-    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in buffers}
+    state = model.state_dict() if isinstance(model, Remote) else model.state_dict(keep_vars=True)
+    return {k: v for k, v in state.items() if k not in buffers}
 
 
 def _load_by_name(model: nn.Module, ref: _model.GPT) -> None:
@@ -130,9 +133,7 @@ def _load_by_name(model: nn.Module, ref: _model.GPT) -> None:
     for k, v in want.items():
         if tuple(have[k].shape) != tuple(v.shape):
             raise ExerciseError(f"GPT's parameter {k} has shape {tuple(have[k].shape)}, expected {tuple(v.shape)}.")
-    with torch.no_grad():
-        for k, v in want.items():
-            have[k].copy_(v)
+    load_params(model, want)
 
 
 def check_GPT(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the learner's class
@@ -149,18 +150,18 @@ def check_GPT(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the
     sizes = dict(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
     with torch.random.fork_rng(devices=[]):
         model = call(cls, "GPT", forbidden=_FORBID_MODEL, **sizes)
-    if not isinstance(model, nn.Module):
-        raise ExerciseError(f"GPT(...) should build an nn.Module, got {type(model).__name__}: subclass nn.Module and "
+    if not is_module(model):
+        raise ExerciseError(f"GPT(...) should build an nn.Module, got {describe(model)}: subclass nn.Module and "
                             "call super().__init__() first.")
     for name in ("wte", "h", "lm_head"):
         if not hasattr(model, name):
             raise ExerciseError(f"GPT has no attribute {name!r}: use GPT-2's names wte, wpe, h, ln_f, lm_head.")
-    if not isinstance(model.h, nn.ModuleList) or len(model.h) != L:
+    if not isinstance_of(model.h, nn.ModuleList) or len(model.h) != L:
         raise ExerciseError(f"GPT.h should be an nn.ModuleList of n_layer={L} Blocks, got "
-                            f"{type(model.h).__name__}" + (f" of length {len(model.h)}" if hasattr(model.h, '__len__') else "")
-                            + ".")
+                            f"{describe(model.h)}" + (f" of length {len(model.h)}" if isinstance_of(model.h, nn.ModuleList)
+                                                     else "") + ".")
     head, wte = getattr(model.lm_head, "weight", None), getattr(model.wte, "weight", None)
-    if head is None or wte is None or head is not wte:
+    if head is None or wte is None or not same_object(model, "lm_head.weight", "wte.weight"):
         extra = f" (it adds {V * C} = vocab_size x n_embd parameters here, 38.6M in GPT-2 small)"
         raise ExerciseError("the output head is not tied to the token embedding: lm_head.weight must be the same "
                             "Parameter as wte.weight (self.lm_head.weight = self.wte.weight after creating both)" + extra
@@ -271,16 +272,22 @@ def _count_mistakes(V: int, T: int, L: int, C: int) -> list[tuple[str, int]]:
     ]
 
 
-def check_count_params(fn: Callable[..., int]) -> None:
+def check_count_params(fn: Callable[..., int], seed: int | None = None) -> None:
     """Check ``count_params(vocab_size, block_size, n_layer, n_embd) -> int`` exactly against
     :func:`reference_count` for GPT-2 Mini, GPT-2 small/medium/large/XL and a tiny model (called by
-    keyword). The mistake is named from all the cases together."""
+    keyword), and with ``seed`` three sizes drawn from it (the autograder's hidden cases). The
+    mistake is named from all the cases together."""
     require_function(fn, "count_params")
     forbidden = (Forbidden(_model.GPT, "gptlab's GPT (building a model to count it)"),
                  Forbidden(_model.GPT.num_params, "gptlab's GPT.num_params"),
                  Forbidden(nn.Module.parameters, "a model's .parameters() (counting an instantiated model)"))
     results = []
-    for label, case in _COUNT_CASES:
+    cases = list(_COUNT_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        cases += [(f"a model of the autograder's ({i + 1})", dict(vocab_size=r.randint(10, 60000), block_size=r.randint(
+            8, 4096), n_layer=r.randint(1, 30), n_embd=r.choice([48, 96, 200, 320, 512, 1000]))) for i in range(3)]
+    for label, case in cases:
         got = call(fn, "count_params", forbidden=forbidden, **case)
         args = ", ".join(f"{k}={v}" for k, v in case.items())
         if isinstance(got, Tensor) and got.numel() == 1:
@@ -351,14 +358,20 @@ _LR_BUGS = {
 }
 
 
-def check_lr_at(fn: Callable[..., float]) -> None:
+def check_lr_at(fn: Callable[..., float], seed: int | None = None) -> None:
     """Check ``lr_at(step, max_lr, min_lr, warmup, total) -> float`` against
     :func:`gptlab.train.lr_at` at every step from 0 to total + 5 of three schedules (with and
     without warmup, min_lr 0), within 1e-12 + 1e-9 x |expected|."""
     require_function(fn, "lr_at")
     forbidden = (Forbidden(_train_config.lr_at, "gptlab's lr_at"),
                  Forbidden(torch.optim.lr_scheduler.CosineAnnealingLR, "torch's CosineAnnealingLR"))
-    for case in _LR_CASES:
+    cases = list(_LR_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        total = r.randint(20, 90)
+        cases.append(dict(max_lr=r.choice([1e-3, 2e-3, 5e-4]) * r.randint(1, 9), min_lr=r.choice([0.0, 1e-5, 3e-5]),
+                          warmup=r.randint(1, total // 3), total=total))
+    for case in cases:
         steps = range(case["total"] + 6)
         got = []
         for s in steps:
@@ -467,6 +480,11 @@ class _GradSpy:
     def remove(self) -> None:
         self._handle.remove()
 
+    @classmethod
+    def on_model(cls, model: nn.Module) -> _GradSpy:
+        """A spy on the model's first parameter."""
+        return cls(next(model.parameters()))
+
 
 def _history(out: Any, steps: int) -> tuple[list[float], list[tuple[int, float]]]:
     if not isinstance(out, dict) or "train_loss" not in out or "val_loss" not in out:
@@ -495,9 +513,9 @@ def _run(train_fn: Callable, gpt_cls: type, steps: int, seed: int, device: str, 
         torch.manual_seed(seed)
         model = call(gpt_cls, "GPT", **MODEL_SIZE)
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        if not isinstance(model, nn.Module) or not any(True for _ in model.parameters()):
+        if not is_module(model) or not any(True for _ in model.parameters()):
             raise ExerciseError("GPT(...) should build an nn.Module with parameters (task 1).")
-        spy = _GradSpy(next(model.parameters()))
+        spy = make(_GradSpy.on_model, model)
         budget = dict(BUDGET, steps=steps)
         try:
             out = call(train_fn, "train", model, train, val_data=val, eval_every=max(steps // 3, 1), device=device,

@@ -20,6 +20,8 @@ simulator below (:func:`simulate_generate_cached`) reproduces each bug with gptl
 
 from __future__ import annotations
 
+import random
+
 from collections.abc import Callable
 
 import torch
@@ -140,6 +142,28 @@ class _ReferenceCache:
         k_all, v_all, _ = self._inner.update(0, k, v)
         return k_all, v_all
 
+    # the autograder sends this cache to the learner's process as a recipe, and reads it back
+    def __gptlab_portable__(self):
+        return "gptlab.grading.kv_cache:_ReferenceCache.rebuilt", [self._inner.k[0], self._inner.v[0], self.calls]
+
+    def __gptlab_state__(self):
+        return [self._inner.k[0], self._inner.v[0], self.calls]
+
+    def __gptlab_sync__(self, state) -> None:
+        k, v, calls = state
+        self._inner = _kvcache.ConcatKVCache(1)
+        if isinstance(k, Tensor) and isinstance(v, Tensor):
+            self._inner.update(0, k, v)
+        self.calls = int(calls)
+
+    @classmethod
+    def rebuilt(cls, k: Tensor | None, v: Tensor | None, calls: int) -> _ReferenceCache:
+        cache = cls()
+        if k is not None:
+            cache._inner.update(0, k, v)
+        cache.calls = calls
+        return cache
+
 
 def check_cached_attention_step(fn: Callable, seed: int = 0) -> None:
     """Check ``cached_attention_step(q, cache, k_new, v_new) -> (B, H, 1, d)``.
@@ -216,6 +240,17 @@ def tiny_model(seed: int = 0) -> GPT:
     return model.eval()
 
 
+def recording_tiny_model(seed: int = 0) -> GPT:
+    """:func:`tiny_model` whose layers record how many positions each ``c_attn`` call saw
+    (``model.__gptlab_state__()``): what the autograder builds in the learner's process."""
+    model = tiny_model(seed)
+    seen: list[list[int]] = [[] for _ in model.transformer.h]
+    for i, blk in enumerate(model.transformer.h):
+        blk.attn.c_attn.register_forward_hook(lambda m, a, o, i=i: seen[i].append(int(a[0].shape[1])))
+    model.__gptlab_state__ = lambda: seen
+    return model
+
+
 def simulate_generate_cached(model: GPT, idx: Tensor, n: int, bug: str | None = None) -> Tensor:
     """Greedy cached generation on a GPT-2-style gptlab model, written with gptlab's pieces, with
     one of :data:`BUGS` put in on purpose (``bug=None``: correct). idx (B, T) -> (B, T + n).
@@ -273,6 +308,9 @@ def check_generate_cached(fn: Callable, seed: int = 0, n: int = 10) -> None:
         blk.attn.c_attn.register_forward_hook(lambda m, a, o, i=i: seen[i].append(int(a[0].shape[1])))
         for i, blk in enumerate(model.transformer.h)
     ]
+    # in the autograder the learner's process gets the same model, with the same recording hooks
+    model.__gptlab_portable__ = lambda: ("gptlab.grading.kv_cache:recording_tiny_model", [seed])
+    model.__gptlab_sync__ = lambda state: [seen[i].extend(int(t) for t in s) for i, s in enumerate(state[:len(seen)])]
     try:
         got = call(fn, "generate_cached", model, idx.clone(), n, forbidden=_MODEL_PATHS)
     finally:
@@ -336,9 +374,18 @@ def _bytes_mistakes(c: dict) -> list[tuple[str, int]]:
     ]
 
 
-def check_kv_cache_bytes(fn: Callable[..., int]) -> None:
+def _random_bytes_cases(seed: int) -> list[dict]:
+    """Cases drawn from ``seed`` (the autograder's hidden ones, unknown in advance)."""
+    r = random.Random(seed)
+    return [dict(n_layer=r.randint(2, 48), n_kv_head=r.randint(1, 32), head_dim=r.choice([16, 32, 64, 80, 96, 128]),
+                 seq_len=r.randint(3, 8192), batch=r.randint(2, 9), bytes_per_elem=r.choice([2, 4, 8]))
+            for _ in range(3)]
+
+
+def check_kv_cache_bytes(fn: Callable[..., int], seed: int | None = None) -> None:
     """Check ``kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch, bytes_per_elem) -> int``
     against :func:`gptlab.kvcache.kv_cache_bytes` (keys AND values), exactly, called by keyword.
+    With ``seed``, three more cases drawn from it (the autograder's hidden cases).
 
     The mistake is named from all the cases together (a formula that fits every one of them), since
     a single case can fit two mistakes (with 2-byte elements, "keys only" and "elements" agree).
@@ -347,7 +394,8 @@ def check_kv_cache_bytes(fn: Callable[..., int]) -> None:
     forbidden = (Forbidden(_kvcache.kv_cache_bytes, "gptlab.kvcache.kv_cache_bytes"),
                  Forbidden(_kvcache.kv_cache_bytes_for, "gptlab.kvcache.kv_cache_bytes_for"))
     results = []
-    for case in _BYTES_CASES:
+    cases = _BYTES_CASES + (_random_bytes_cases(seed) if seed is not None else [])
+    for case in cases:
         got = call(fn, "kv_cache_bytes", forbidden=forbidden, **case)
         args = ", ".join(f"{k}={v}" for k, v in case.items())
         if isinstance(got, Tensor) and got.numel() == 1:

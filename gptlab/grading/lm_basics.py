@@ -20,6 +20,7 @@ spelling: ``torch.``, ``F.``, or the tensor method).
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -453,14 +454,15 @@ _PPL_FORBIDDEN = (Forbidden(_bigram.perplexity, "gptlab.bigram.perplexity"),)
 _NLLS = (0.0, 1.0, math.log(65), 2.4818894, 0.25, 4.5)
 
 
-def check_perplexity(fn: Callable[[float], float]) -> None:
+def check_perplexity(fn: Callable[[float], float], seed: int | None = None) -> None:
     """Check a learner's ``perplexity(mean_nll) -> float`` against ``math.exp`` (relative 1e-6).
 
     ``mean_nll`` is a mean negative log-likelihood in nats (natural log), as ``cross_entropy``
     returns; the perplexity is ``exp(mean_nll)``, a Python float.
     """
     require_function(fn, "perplexity")
-    for x in _NLLS:
+    values = list(_NLLS) + ([random.Random(seed).uniform(0.05, 6.0) for _ in range(3)] if seed is not None else [])
+    for x in values:
         got = call(fn, "perplexity", x, forbidden=_PPL_FORBIDDEN)
         want = math.exp(x)
         if isinstance(got, Tensor):

@@ -18,6 +18,8 @@ Tasks:
 
 from __future__ import annotations
 
+import random
+
 from collections.abc import Callable
 
 import torch
@@ -138,12 +140,15 @@ def check_residual_distribution(fn: Callable, seed: int = 0) -> None:
 # --------------------------------------------------------------------------- expected tokens per pass
 
 
-def check_expected_tokens_per_pass(fn: Callable) -> None:
+def check_expected_tokens_per_pass(fn: Callable, seed: int | None = None) -> None:
     """Check ``expected_tokens_per_pass(alpha, g) -> float``: the expected number of tokens one
     target pass produces with ``g`` guesses each accepted with probability ``alpha``, the bonus or
     correction token included: ``(1 - alpha^(g+1)) / (1 - alpha)``; ``g + 1`` when ``alpha == 1``."""
     require_function(fn, "expected_tokens_per_pass")
     cases = [(0.8, 4), (0.5, 1), (0.0, 3), (0.9, 8), (1.0, 5), (0.3, 0)]
+    if seed is not None:
+        r = random.Random(seed)
+        cases += [(round(r.uniform(0.05, 0.97), 4), r.randint(1, 12)) for _ in range(3)]
     for alpha, g in cases:
         got = call(fn, "expected_tokens_per_pass", alpha, g, forbidden=_GPTLAB)
         if isinstance(got, Tensor) and got.numel() == 1:

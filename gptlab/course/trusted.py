@@ -1,0 +1,156 @@
+"""The autograder's verdicts, decided in a process the learner's code never ran in.
+
+Where this sits: beside the pipeline, in the instructor's workflow. :class:`gptlab.course.execute.
+GptlabExecute` runs a submitted notebook's cells in a Jupyter kernel, but not its test cells: for
+each of them it asks :class:`TrustedGrader` (in the autograder's own process) for the verdict.
+
+For one test cell (a task of :data:`gptlab.grading.tasks.TASKS`) the grader
+
+1. refuses at once, without touching the kernel, a notebook whose source tampers with how code
+   runs (:func:`gptlab.grading.source.tampering`), and a task whose answer calls a function that
+   was already stopped at its time limit in an earlier test;
+2. otherwise connects to the kernel (:func:`gptlab.grading.remote.serve`), looks up the learner's
+   names, and runs the task's check here on handles to them: on the notebook's inputs, then on
+   hidden inputs drawn from the instructor's secret (:mod:`gptlab.course.secret`);
+3. reads the source the task's answer can reach for delegation
+   (:func:`gptlab.grading.source.delegation`), against every entry point the check forbade.
+
+The :class:`Verdict` becomes the test cell's output (nbgrader then scores it: an error output
+scores 0, anything else the cell's points) and its metadata ``gptlab.verdict``. What the
+learner's code printed or warned is shown beside it and never scored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..grading import core, remote, source
+from ..grading.tasks import Task, hidden_seed, task_for
+
+__all__ = ["Verdict", "TrustedGrader", "learner_cells"]
+
+
+@dataclass
+class Verdict:
+    """The outcome of one test cell: passed, the message (the check's diagnosis when it failed),
+    its kind (``correct``, ``mistake``, ``delegation``, ``tampering``, ``timeout``, ``crash``,
+    ``missing``, ``grader_error``), and what the learner's code printed while it was checked."""
+
+    passed: bool
+    message: str
+    kind: str
+    output: list[str] = field(default_factory=list)
+    hung: str | None = None
+
+    @property
+    def ename(self) -> str:
+        return {"timeout": "CellTimeoutError", "crash": "DeadKernelError", "delegation": "DelegationError",
+                "tampering": "TamperingError", "missing": "NameError"}.get(self.kind, "ExerciseError")
+
+
+def learner_cells(cells) -> list[tuple[int, str, bool]]:
+    """``(number, source, written by the learner)`` of a notebook's code cells (locked cells are the
+    instructor's: their source is restored before grading)."""
+    from ..notebook_setup import is_setup_source
+
+    out = []
+    for number, cell in enumerate(cells, 1):
+        if cell.get("cell_type") != "code" or is_setup_source(cell.get("source", "")):
+            continue
+        meta = cell.get("metadata", {}).get("nbgrader", {})
+        out.append((number, cell.get("source", ""), not (meta.get("locked") or meta.get("grade"))))
+    return out
+
+
+class TrustedGrader:
+    """Verdicts for the test cells of one submitted notebook (see the module docstring)."""
+
+    def __init__(self, cells, notebook: str, secret: bytes):
+        self.notebook = notebook
+        self.secret = secret
+        self.program = source.Program(learner_cells(cells))
+        self.tampered = source.tampering(self.program)
+        self.hung: dict[str, str] = {}  # learner name -> the note of its timeout
+
+    def knows(self, grade_id: str) -> bool:
+        return task_for(self.notebook, grade_id) is not None
+
+    def grade(self, grade_id: str, connect: Callable[[], remote.Connection]) -> Verdict:
+        """The verdict of test cell ``grade_id``; ``connect()`` starts the kernel's side when needed."""
+        task = task_for(self.notebook, grade_id)
+        assert task is not None
+        label = task.names[0]
+        if self.tampered:
+            lines = "\n".join("  " + f.text() for f in self.tampered[:5])
+            return Verdict(False, f"{label} was not graded: this notebook contains code that changes how Python, "
+                                  f"IPython or PyTorch run other code or report results, which a graded notebook "
+                                  f"may not do:\n{lines}\nRemove it and submit again (ask your instructor if this "
+                                  "is a mistake).", "tampering")
+        reached = {name for cell, node in self.program.reachable(task.names) for name in source._bound(node)}
+        for name in sorted(reached & set(self.hung)):
+            return Verdict(False, f"{label} was not checked: it uses {name}, which was stopped earlier: "
+                                  f"{self.hung[name]}", "timeout")
+        conn = connect()
+        try:
+            return self._run(task, label, grade_id, conn)
+        finally:
+            conn.done()
+
+    def _run(self, task: Task, label: str, grade_id: str, conn: remote.Connection) -> Verdict:
+        handles = []
+        for name in task.names:
+            try:
+                handles.append(conn.lookup(name))
+            except NameError:
+                return Verdict(False, f"{name} is not defined in your notebook: run the cell that defines it, and "
+                                      f"keep the name {name} the notebook asks for.", "missing", conn.output)
+            except core.ExerciseError as e:
+                return self._failure(e, conn)
+        printed = io.StringIO()
+        core.record_forbidden(True)
+        verdict = None
+        try:
+            with contextlib.redirect_stdout(printed):
+                task.check(*handles, **task.visible)
+                if task.hidden is not None:
+                    try:
+                        task.check(*handles, **task.hidden(hidden_seed(self.secret, self.notebook, grade_id)))
+                    except core.ExerciseError as e:
+                        if isinstance(e, remote.LearnerTimeout | remote.LearnerCrashed | core.DelegationError):
+                            raise
+                        raise core.ExerciseError(f"{e}\n  (on the autograder's hidden inputs: the notebook's own "
+                                                 "test passes, but the answer does not hold in general)") from None
+        except core.ExerciseError as e:
+            verdict = self._failure(e, conn)
+        except Exception as e:  # noqa: BLE001 - the check could not use the answer: a failed test, said plainly
+            verdict = Verdict(False, f"{label} could not be checked: {type(e).__name__}: {e}", "mistake", conn.output)
+        finally:
+            forbidden = core.record_forbidden(False)
+        found = source.delegation(self.program, task.names, forbidden)
+        if found:
+            lines = "\n".join("  " + f.text() for f in found[:5])
+            text = (f"{label} must be written by hand, but the code it runs uses what computes the answer for it:\n"
+                    f"{lines}\nBuild it from basic tensor operations instead.")
+            if verdict is not None and verdict.kind != "mistake":
+                return verdict
+            return Verdict(False, text + (f"\n(Also: {verdict.message})" if verdict else ""), "delegation",
+                           conn.output)
+        if verdict is not None:
+            return verdict
+        extra = printed.getvalue().strip()
+        return Verdict(True, f"{label}: correct" + (f"\n{extra}" if extra else ""), "correct", conn.output)
+
+    def _failure(self, e: Exception, conn: remote.Connection) -> Verdict:
+        if isinstance(e, remote.LearnerTimeout):
+            name = (getattr(e, "label", None) or "").split(".")[0].split("(")[0]
+            if name:
+                self.hung[name] = str(e)
+            return Verdict(False, str(e), "timeout", conn.output, hung=name or None)
+        if isinstance(e, remote.LearnerCrashed):
+            return Verdict(False, str(e), "crash", conn.output)
+        if isinstance(e, core.DelegationError):
+            return Verdict(False, str(e), "delegation", conn.output)
+        return Verdict(False, str(e), "mistake", conn.output)
