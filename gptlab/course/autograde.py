@@ -143,6 +143,8 @@ def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: d
         if cell.cell_type != ref["cell_type"]:
             note("edited", f"the cell {gid} had been changed to a {cell.cell_type} cell; it was run as the "
                            f"{ref['cell_type']} cell it is.", gid)
+            maker = nbformat.v4.new_code_cell if ref["cell_type"] == "code" else nbformat.v4.new_markdown_cell
+            cell = nb.cells[i] = maker(source=cell.source, metadata=cell.metadata)
         fixed = {"grade": ref["grade"], "solution": ref["solution"], "locked": ref["locked"], "grade_id": gid,
                  "schema_version": 3, "task": False}
         if ref["points"] is not None:

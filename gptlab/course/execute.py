@@ -95,6 +95,8 @@ class GptlabExecute(Execute):
 
     def _get_timeout(self, cell: NotebookNode | None) -> int | None:
         timeout = self.timeout
+        if cell is not None and isinstance(cell.get("metadata", {}).get("gptlab_serve"), int):
+            return cell.metadata["gptlab_serve"]  # the autograder's own serving cell (_grade_trusted)
         if cell is not None:
             declared = declared_timeout(cell)
             if declared is not None:
@@ -155,6 +157,11 @@ class GptlabExecute(Execute):
         if meta.get("grade") and self._trusted is not None and self._trusted.knows(meta.get("grade_id")):
             self._grade_trusted(cell, index, meta["grade_id"])
             return cell, self.resources
+        skipped = self._calls_hung(cell)
+        if skipped:
+            cell.outputs = [_error("NotRun", f"not run by the autograder: it calls {skipped}, which was stopped at "
+                                             "its time limit in a test above.")]
+            return cell, self.resources
         if self._restarts > self.max_kernel_restarts:
             cell.outputs = [_error("NotRun", f"not run: the kernel died {self._restarts} times in this notebook.")]
             return cell, self.resources
@@ -179,6 +186,28 @@ class GptlabExecute(Execute):
             if not self._timed_out:
                 self._ran_ok.append(index)
         return cell, self.resources
+
+    def _calls_hung(self, cell: NotebookNode) -> str | None:
+        """The learner's function, stopped at its limit in a test, that this learner cell calls
+        (at its top level, directly or through other functions), or None."""
+        if self._trusted is None or not self._trusted.hung:
+            return None
+        meta = cell.metadata.get("nbgrader", {})
+        if meta.get("locked") or meta.get("grade"):
+            return None
+        import ast
+
+        from ..grading.source import Program, _bound
+
+        parsed = Program([(0, cell.source, True)]).cells
+        if not parsed:
+            return None
+        used = {n.id for stmt in parsed[0].tree.body
+                if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+                for n in ast.walk(stmt) if isinstance(n, ast.Name)}
+        reached = {name for _, node in self._trusted.program.reachable(sorted(used)) for name in _bound(node)} | used
+        hit = sorted(reached & set(self._trusted.hung))
+        return hit[0] if hit else None
 
     # -- test cells: the verdict from this process ------------------------------------------------
 
@@ -217,13 +246,15 @@ class GptlabExecute(Execute):
         if not done.is_set():
             serve = NotebookNode(cell_type="code", outputs=[], execution_count=None, source=(
                 f"__import__('gptlab.grading.remote', fromlist=['serve']).serve({address!r}, {token!r}, globals())"),
-                metadata=NotebookNode(nbgrader={"grade_id": grade_id}, gptlab={"timeout": int(limit) + 20}))
+                metadata=NotebookNode(gptlab_serve=int(limit) + 20))
             watcher = threading.Thread(target=self._interrupt_on_timeout, args=(result, done), daemon=True)
             watcher.start()
             try:
                 self.execute_cell(serve, index, store_history=False)
             except (DeadKernelError, CellTimeoutError):
                 self._restart_kernel()
+            finally:
+                self.nb.cells[index] = cell
         thread.join(limit + 60)
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)

@@ -51,6 +51,12 @@ _FORBID_LAYER_NORM = (
     Forbidden(torch.layer_norm, "torch.layer_norm"),
     Forbidden(torch.native_layer_norm, "torch.native_layer_norm"),
     Forbidden(nn.LayerNorm, "nn.LayerNorm"),
+    # the other normalisations compute a layer norm too when given the right shape
+    Forbidden(F.group_norm, "F.group_norm"),
+    Forbidden(F.instance_norm, "F.instance_norm"),
+    Forbidden(F.batch_norm, "F.batch_norm"),
+    Forbidden(torch.group_norm, "torch.group_norm"),
+    Forbidden(nn.GroupNorm, "nn.GroupNorm"),
 )
 _FORBID_GELU = (
     Forbidden(_layers.gelu, "gptlab.layers.gelu"),

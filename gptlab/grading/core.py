@@ -157,7 +157,16 @@ class Forbidden:
             owner = t.__objclass__
             return [owner.__module__, f"{owner.__qualname__}.{t.__name__}", self.name]
         module = getattr(t, "__module__", None) or "builtins"
-        return [module, getattr(t, "__qualname__", getattr(t, "__name__", "")), self.name]
+        name = getattr(t, "__name__", "")
+        candidates = [[module, getattr(t, "__qualname__", name)], [module, name], ["torch", name],
+                      ["torch.nn.functional", name]]
+        for cand in candidates:  # the first path that names this very object here
+            try:
+                if resolve_forbidden(cand) is t:
+                    return [*cand, self.name]
+            except (ImportError, AttributeError, ValueError):
+                continue
+        return [*candidates[0], self.name]
 
     def keys(self) -> set:
         """The code keys and builtin ids that identify this entry point when it is called."""

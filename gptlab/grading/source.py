@@ -152,7 +152,7 @@ class Program:
                 mod = importlib.import_module(module)
             except Exception:  # noqa: BLE001
                 continue
-            for name in getattr(mod, "__all__", [n for n in dir(mod) if not n.startswith("_")]):
+            for name in set(getattr(mod, "__all__", [])) | {n for n in dir(mod) if not n.startswith("_")}:
                 out.setdefault(name, set()).add(f"{module}.{name}")
         # plain renames: x = a.b.c (anywhere), followed up to a fixed point
         renames: list[tuple[str, ast.AST]] = []
