@@ -13,7 +13,8 @@ course's ``nbgrader_config.py`` and its SQLite gradebook:
   or tampered notebook costing only the points it affects (:mod:`gptlab.course.autograde`).
 * ``feedback [ASSIGNMENT ...]``: one HTML page per student and notebook, with the autograder's
   notes on top.
-* ``grades``: a CSV, one row per student, a column per assignment and per test cell, the total.
+* ``grades``: a CSV, one row per student, a column per assignment and per test cell, the total;
+  an empty cell where nothing was graded (not submitted, not graded yet), a 0 where it scored 0.
 
 See ``book/instructors.md`` for the whole workflow, on one machine and on a JupyterHub.
 """
@@ -152,7 +153,11 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
 
     Columns: ``student``, then for each assignment its total ``<assignment>`` and one column per
     test cell ``<assignment>/<grade_id>`` (``<assignment>/<notebook>/<grade_id>`` when the
-    assignment has several notebooks), then ``total``. A missing submission counts 0.
+    assignment has several notebooks), then ``total``. A score is a float; ``None`` (an empty
+    cell in the CSV) where there is no score: an assignment the student never submitted or that
+    was not graded yet, and its test cells (a test cell without a score in a graded submission
+    too). A real 0 stays 0. An assignment's total and the overall total add up what was graded
+    (``None`` when nothing was).
     """
     from nbgrader.api import Gradebook, MissingEntry
 
@@ -177,32 +182,33 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
         rows = []
         for student in sorted(s.id for s in gb.students):
             row: list = [student]
-            total = 0.0
+            graded: list[float] = []
             for name, cells in layout:
-                scores = {}
+                scores: dict[tuple[str, str], float | None] = {}
                 try:
                     sub = gb.find_submission(name, student)
                     for snb in sub.notebooks:
                         for g in snb.grades:
-                            scores[(snb.name, g.name)] = float(g.score or 0.0)
+                            scores[(snb.name, g.name)] = None if g.score is None else float(g.score)
                 except MissingEntry:
                     pass
-                values = [scores.get((nb, gid), 0.0) for nb, gid, _ in cells]
-                row += [sum(values)] + values
-                total += sum(values)
-            row.append(total)
+                values = [scores.get((nb, gid)) for nb, gid, _ in cells]
+                got = [v for v in values if v is not None]
+                row += [sum(got) if got else None] + values
+                graded += got
+            row.append(sum(graded) if graded else None)
             rows.append(row)
     return header, rows
 
 
 def write_grades(course: Course, path: Path, assignments: list[str] | None = None) -> tuple[list[str], list[list]]:
-    """Write the grade sheet (:func:`grades_table`) as CSV, atomically."""
+    """Write the grade sheet (:func:`grades_table`) as CSV, atomically; no score is an empty cell."""
     header, rows = grades_table(course, assignments)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(header)
     for row in rows:
-        w.writerow([f"{v:g}" if isinstance(v, float) else v for v in row])
+        w.writerow(["" if v is None else f"{v:g}" if isinstance(v, float) else v for v in row])
     atomic_write(Path(path), buf.getvalue())
     return header, rows
 
@@ -250,6 +256,8 @@ def _cmd_collect(args) -> int:
     verb = "would collect" if args.dry_run else "collected"
     for student, name, src in got.copied:
         print(f"{verb} {student}/{name} <- {src}")
+    for message in got.messages:
+        print(message)
     for src, why in got.skipped:
         print(f"skipped {src}: {why}")
     print(f"{len(got.copied)} submission(s) {verb}, {len(got.skipped)} skipped")

@@ -11,6 +11,16 @@ Two layouts are understood:
   ``nbgrader submit`` writes them on a JupyterHub. The latest submission of each student wins,
   and its ``timestamp.txt`` is kept (nbgrader computes late penalties from it).
 
+In a learner's folder (``<student>/`` or an exchange folder), a notebook saved under another
+name than the assignment's is taken for it when the name is a copy's: Colab's ``Copy of
+causal_mask.ipynb``, a browser's duplicate ``causal_mask (1).ipynb`` or ``causal_mask(2).ipynb``,
+JupyterLab's ``causal_mask-Copy1.ipynb`` (:func:`copy_of`). It is collected as
+``causal_mask.ipynb``, and a message says so; when the folder also holds ``causal_mask.ipynb``
+itself, that one wins and the message names the copies left aside (they are still copied, under
+their own names, with the learner's other files). Of several copies, the last modified wins.
+In a flat folder, a file named after the notebook (or a copy of it) names no student: it is
+skipped.
+
 Student ids are sanitized (letters, digits, ``_ . @ -``; anything else becomes ``_``). Each
 student's folder is written next to its final place and renamed into it, so a half-copied
 submission is never left behind.
@@ -27,7 +37,7 @@ from pathlib import Path
 
 from ._common import Course, CourseError
 
-__all__ = ["collect", "sanitize_student_id", "Collected"]
+__all__ = ["collect", "sanitize_student_id", "copy_of", "Collected"]
 
 _BAD = re.compile(r"[^A-Za-z0-9_.@-]+")
 
@@ -42,10 +52,48 @@ def sanitize_student_id(name: str) -> str:
 
 @dataclass
 class Collected:
-    """What ``collect`` did: (student, assignment, source) copied, and (source, reason) skipped."""
+    """What ``collect`` did: (student, assignment, source) copied, (source, reason) skipped, and
+    one-line messages on notebooks taken under another name (``alice: took 'Copy of x.ipynb' as
+    x.ipynb``) or left aside for the exact name."""
 
     copied: list[tuple[str, str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    messages: list[str] = field(default_factory=list)
+
+
+def copy_of(filename: str, notebook: str) -> bool:
+    """Whether ``filename`` is a copy of ``<notebook>.ipynb`` under the name a tool gave it:
+    ``Copy of <nb>.ipynb`` (Colab, possibly repeated), ``<nb> (1).ipynb`` or ``<nb>(1).ipynb`` (a
+    browser's duplicate download), ``<nb>-Copy1.ipynb`` (JupyterLab), or a mix of these."""
+    nb = re.escape(notebook)
+    return re.fullmatch(rf"(?:Copy of )*{nb}(?:-Copy\d+| ?\(\d+\))*\.ipynb", filename) is not None \
+        and filename != f"{notebook}.ipynb"
+
+
+def _match_notebooks(folder: Path, notebooks: list[str], who: str) -> tuple[dict[str, str], list[str]]:
+    """For a learner's folder: ``{copy's file name: notebook}`` to rename, and the messages.
+
+    Only the folder's top level is looked at (that is where the autograder reads the notebooks).
+    """
+    files = [p for p in folder.iterdir() if p.is_file() and not p.is_symlink()] if folder.is_dir() else []
+    renames: dict[str, str] = {}
+    messages: list[str] = []
+    for nb in notebooks:
+        copies = [p for p in files if copy_of(p.name, nb)]
+        if not copies:
+            continue
+        # the last modified copy wins; at equal times, the higher-numbered name
+        copies.sort(key=lambda p: (p.stat().st_mtime, [int(d) for d in re.findall(r"\d+", p.name[:-6])]))
+        listed = ", ".join(repr(p.name) for p in copies[:-1])
+        exact = folder / f"{nb}.ipynb"
+        if exact.is_file() and not exact.is_symlink():
+            listed = ", ".join(repr(p.name) for p in copies)
+            messages.append(f"{who}: took {nb}.ipynb, ignored {listed}")
+            continue
+        chosen = copies[-1]
+        renames[chosen.name] = f"{nb}.ipynb"
+        messages.append(f"{who}: took {chosen.name!r} as {nb}.ipynb" + (f", ignored {listed}" if listed else ""))
+    return renames, messages
 
 
 def _parse_time(text: str) -> datetime | None:
@@ -123,7 +171,12 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
                 found.skipped.append((str(entry), "a symbolic link"))
                 continue
             if entry.is_file() and entry.suffix == ".ipynb":
-                if len(_notebook_names(course, assignment)) != 1:
+                names = _notebook_names(course, assignment)
+                if any(entry.name == f"{nb}.ipynb" or copy_of(entry.name, nb) for nb in names):
+                    found.skipped.append((str(entry), f"named after the notebook, not a student: hand it in as "
+                                                      f"<student>/{names[0]}.ipynb"))
+                    continue
+                if len(names) != 1:
                     found.skipped.append((str(entry), f"{assignment} has several notebooks: hand them in as a "
                                                       "<student>/ folder"))
                     continue
@@ -151,6 +204,10 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
     submitted = course.directory("submitted")
     for (sid, name), (when, entry, how) in sorted(chosen.items()):
         found.copied.append((sid, name, str(entry)))
+        renames: dict[str, str] = {}
+        if how == "folder":
+            renames, messages = _match_notebooks(entry, notebooks[name], sid if name == assignment else f"{sid} ({name})")
+            found.messages.extend(messages)
         if dry_run:
             continue
         dest = submitted / sid / name
@@ -162,6 +219,8 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
                 (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
             else:
                 shutil.copytree(entry, tmp, dirs_exist_ok=True, ignore=_ignore)
+                for old, new in renames.items():
+                    (tmp / old).rename(tmp / new)
                 if not (tmp / "timestamp.txt").exists():
                     (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
             if dest.exists():

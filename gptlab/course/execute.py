@@ -197,7 +197,7 @@ class GptlabExecute(Execute):
             return None
         import ast
 
-        from ..grading.source import Program, _bound
+        from ..grading.source import Program, bound_names
 
         parsed = Program([(0, cell.source, True)]).cells
         if not parsed:
@@ -205,7 +205,7 @@ class GptlabExecute(Execute):
         used = {n.id for stmt in parsed[0].tree.body
                 if not isinstance(stmt, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
                 for n in ast.walk(stmt) if isinstance(n, ast.Name)}
-        reached = {name for _, node in self._trusted.program.reachable(sorted(used)) for name in _bound(node)} | used
+        reached = {name for _, node in self._trusted.program.reachable(sorted(used)) for name in bound_names(node)} | used
         hit = sorted(reached & set(self._trusted.hung))
         return hit[0] if hit else None
 

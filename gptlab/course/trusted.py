@@ -89,7 +89,7 @@ class TrustedGrader:
                                   f"IPython or PyTorch run other code or report results, which a graded notebook "
                                   f"may not do:\n{lines}\nRemove it and submit again (ask your instructor if this "
                                   "is a mistake).", "tampering")
-        reached = {name for cell, node in self.program.reachable(task.names) for name in source._bound(node)}
+        reached = {name for cell, node in self.program.reachable(task.names) for name in source.bound_names(node)}
         for name in sorted(reached & set(self.hung)):
             return Verdict(False, f"{label} was not checked: it uses {name}, which was stopped earlier: "
                                   f"{self.hung[name]}", "timeout")

@@ -472,7 +472,7 @@ def check_Block(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after t
     Forbids gptlab's Block, MLP and CausalSelfAttention and PyTorch's transformer layers.
     """
     if not is_module_class(cls):
-        raise ExerciseError(f"check_Block expects your Block class (a subclass of nn.Module), got {describe(cls)}.")
+        raise TypeError(f"check_Block expects your Block class (a subclass of nn.Module), got {describe(cls)}")
     n_embd, n_head = 32, 4
     ref = _reference_block(n_embd, n_head, seed)
     block = call(cls, "Block", n_embd, n_head, forbidden=_FORBID_BLOCK)

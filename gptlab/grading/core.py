@@ -291,14 +291,13 @@ def call(
     argument in place (when ``check_inputs_unchanged``), or calls a ``forbidden`` entry point
     (:class:`DelegationError`).
     """
-    from .remote import Remote
-
     if _recorded is not None:
         _recorded.extend(forbidden)
     before = {i: a.detach().clone() for i, a in enumerate(args) if isinstance(a, Tensor) and a.device.type != "meta"}
     arg_text = ", ".join([describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()])
     try:
-        if isinstance(fn, Remote):  # the learner's process forbids, runs and answers; judged here
+        if getattr(type(fn), "__gptlab_remote__", False):  # a handle (remote.Remote): the learner's process
+            # forbids, runs and answers; the answer is judged here
             out = fn._conn.call(fn, args, kwargs, tuple(forbidden), name)
         else:
             with forbid(forbidden, name):

@@ -316,6 +316,7 @@ class Remote:
     """
 
     __slots__ = ("_conn", "_ref", "_type", "_mro", "_flags", "_label")
+    __gptlab_remote__ = True  # how gptlab.grading.core.call recognises a handle without importing this module
 
     def __init__(self, conn: Connection, ref: int, type_name: str, mro: list[str], flags: dict, label: str):
         object.__setattr__(self, "_conn", conn)

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Finding", "Program", "neutralise_shell", "tampering", "delegation"]
+__all__ = ["Finding", "Program", "neutralise_shell", "tampering", "delegation", "bound_names"]
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class Program:
             if not cell.learner:
                 continue
             for node in cell.tree.body:
-                for name in _bound(node):
+                for name in bound_names(node):
                     out.setdefault(name, []).append((cell, node))
         return out
 
@@ -219,7 +219,8 @@ class Program:
         return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _bound(node: ast.AST) -> list[str]:
+def bound_names(node: ast.AST) -> list[str]:
+    """The names a top-level statement binds (a def, a class, an assignment, an import)."""
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
         return [node.name]
     if isinstance(node, ast.Assign):
@@ -229,7 +230,7 @@ def _bound(node: ast.AST) -> list[str]:
     if isinstance(node, ast.Import | ast.ImportFrom):
         return [(a.asname or a.name).split(".")[0] for a in node.names if a.name != "*"]
     if isinstance(node, ast.If | ast.Try | ast.With | ast.For | ast.While):
-        return [n for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt) for n in _bound(child)]
+        return [n for child in ast.iter_child_nodes(node) if isinstance(child, ast.stmt) for n in bound_names(child)]
     return []
 
 
