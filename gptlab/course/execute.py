@@ -247,13 +247,20 @@ class GptlabExecute(Execute):
             serve = NotebookNode(cell_type="code", outputs=[], execution_count=None, source=(
                 f"__import__('gptlab.grading.remote', fromlist=['serve']).serve({address!r}, {token!r}, globals())"),
                 metadata=NotebookNode(gptlab_serve=int(limit) + 20))
-            watcher = threading.Thread(target=self._interrupt_on_timeout, args=(result, done), daemon=True)
+            serving = threading.Event()
+            serving.set()
+            watcher = threading.Thread(target=self._interrupt_on_timeout, args=(result, done, serving), daemon=True)
             watcher.start()
             try:
                 self.execute_cell(serve, index, store_history=False)
             except (DeadKernelError, CellTimeoutError):
+                serving.clear()
                 self._restart_kernel()
+            except Exception as e:  # noqa: BLE001 - the runner must go on with the next cells
+                serving.clear()
+                self.log.warning("serving test cell %s failed: %s", grade_id, e)
             finally:
+                serving.clear()
                 self.nb.cells[index] = cell
         thread.join(limit + 60)
         listener.close()
@@ -262,14 +269,16 @@ class GptlabExecute(Execute):
                                                           "instructor.", "grader_error")
         self._show_verdict(cell, verdict)
 
-    def _interrupt_on_timeout(self, result: dict, done: threading.Event) -> None:
-        """Interrupt the kernel as soon as the grader gave up waiting for the learner's function."""
-        while not done.wait(0.2):
+    def _interrupt_on_timeout(self, result: dict, done: threading.Event, serving: threading.Event) -> None:
+        """Interrupt the kernel as soon as the grader gave up waiting for the learner's function
+        (only while the kernel still runs the serving cell, never a later cell)."""
+        while serving.is_set():
             conn = result.get("conn")
             if conn is not None and isinstance(conn.failure, remote.LearnerTimeout):
                 break
+            time.sleep(0.2)
         conn = result.get("conn")
-        if conn is None or not isinstance(conn.failure, remote.LearnerTimeout):
+        if not serving.is_set() or conn is None or not isinstance(conn.failure, remote.LearnerTimeout):
             return
         try:
             pid = self.km.provisioner.process.pid
