@@ -134,7 +134,7 @@ def _weights_mistakes(q: Tensor, k: Tensor, mask: Tensor | None) -> list[tuple[s
         ("you did not divide the scores by sqrt(d): scores = q @ k^T / sqrt(d), with d = q.shape[-1] the size "
          "of one query vector. Without it the softmax saturates when d is large.",
          lambda: _softmax_masked(raw, mask)),
-        ("you divided the scores by d instead of sqrt(d) (d ** 0.5, or math.sqrt(d)).",
+        ("you divided the scores by d instead of sqrt(d) (d ** 0.5, or math.sqrt(d)), or by sqrt(d) twice.",
          lambda: _softmax_masked(raw / d, mask)),
         ("you multiplied the scores by sqrt(d) instead of dividing by it.",
          lambda: _softmax_masked(raw * math.sqrt(d), mask)),
@@ -254,6 +254,11 @@ def check_attend(fn: Callable[..., Tensor], seed: int = 0) -> None:
         mistakes.append(("you multiplied by the transposed weights: the output is weights @ v, with the weights "
                          "(B, H, T, S) (queries by keys) and v (B, H, S, d).",
                          lambda: w.transpose(-2, -1) @ v))
+        mistakes.append(("you divided the scores by sqrt(d) twice (by d in all): attention_weights already divides "
+                         "q @ k^T by sqrt(d), so attend must not scale q, k or the scores again; call "
+                         "attention_weights(q, k, mask) as it is and multiply by v. (If your attention_weights "
+                         "divides by d, fix it there: the scale is 1 / sqrt(d).)",
+                         lambda: _softmax_masked((q @ k.transpose(-2, -1)) / d, mask) @ v))
         mistakes += [(f"your weights are wrong: {why}", (lambda t=thunk: t() @ v))
                      for why, thunk in _weights_mistakes(q, k, mask)]
         expect_close(got.float(), want, f"attend for {text}", text, **WEIGHTS_TOL, show=_show, mistakes=mistakes)

@@ -305,11 +305,25 @@ def _rope_mistakes(x: Tensor, cos: Tensor, sin: Tensor) -> list:
         c, s = cos[..., :h], sin[..., :h]
         return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)
 
+    def every_two(c: Tensor, s: Tensor) -> Tensor:
+        # Meta's / GPT-J's rotate_every_two: (x0, x1), (x2, x3), ... -> (-x1, x0), (-x3, x2), ...
+        rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+        return x * c + rotated * s
+
+    def repeated(t: Tensor) -> Tensor:
+        # the tables read as if each angle were repeated for a pair (Meta's layout): every other column
+        return t[..., 0::2].repeat_interleave(2, dim=-1)
+
     f = lambda t: (lambda: t().float())  # noqa: E731
+    interleaved_text = (
+        "you rotated interleaved pairs (x[..., 0::2], x[..., 1::2]), the convention of the RoPE paper and "
+        "Meta's Llama code. gptlab (and Hugging Face) pair feature i with feature i + D/2: rotate_half(x) = "
+        "cat([-x2, x1]) where x1, x2 = x.chunk(2, dim=-1), and the tables cos and sin are laid out for these "
+        "halves (column i and column i + D/2 hold the same angle): use them as they are.")
     return [
-        ("you rotated interleaved pairs (x[..., 0::2], x[..., 1::2]), the convention of the RoPE paper and "
-         "Meta's Llama code. gptlab (and Hugging Face) pair feature i with feature i + D/2: rotate_half(x) = "
-         "cat([-x2, x1]) where x1, x2 = x.chunk(2, dim=-1).", f(interleaved)),
+        (interleaved_text, f(interleaved)),
+        (interleaved_text, f(lambda: every_two(cos, sin))),
+        (interleaved_text, f(lambda: every_two(repeated(cos), repeated(sin)))),
         ("the sign of the sine term is flipped (that rotates by -angle): rotate_half(x) is cat([-x2, x1]), "
          "not cat([x2, -x1]).", f(lambda: x * cos + torch.cat([x2, -x1], -1) * sin)),
         ("rotate_half(x) must negate the second half and put it first, cat([-x2, x1]); you left out the minus.",

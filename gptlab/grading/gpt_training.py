@@ -188,6 +188,9 @@ def check_GPT(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the
              lambda idx=idx: _simulate(ref, idx, final_norm=False)),
             ("neither position embedding nor final norm.",
              lambda idx=idx: _simulate(ref, idx, positions=False, final_norm=False)),
+            ("you returned probabilities (the softmax of the logits): forward must return the logits themselves, "
+             "self.lm_head(self.ln_f(x)), with no softmax; the loss (F.cross_entropy) and generation apply it "
+             "themselves.", lambda want=want: torch.softmax(want, dim=-1)),
         ]
         expect_close(got, want, f"GPT.forward on {text}", text, ATOL, RTOL, mistakes)
     _check_too_long(model, T, V)
@@ -264,6 +267,8 @@ def _count_mistakes(V: int, T: int, L: int, C: int) -> list[tuple[str, int]]:
         ("you forgot the biases of the four linear layers in each block (3C + C + 4C + C per block).", want - biases),
         ("you forgot the layer norms: 2 per block and ln_f, each a gain and a bias of C numbers.", want - norms),
         ("you forgot the norms' biases (a LayerNorm has a gain AND a bias).", want - norms // 2),
+        ("you forgot the final layer norm ln_f, after the last block (a gain and a bias of C numbers: 2C); count "
+         "2 layer norms per block AND ln_f.", want - 2 * C),
         ("you forgot the biases and the layer norms.", want - biases - norms),
         ("you forgot the position embedding wpe (block_size x n_embd).", want - T * C),
         ("you forgot the token embedding wte (vocab_size x n_embd): tying means it is counted once, not never.",

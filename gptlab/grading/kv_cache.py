@@ -112,12 +112,29 @@ def check_kv_cache(cls: Callable[[], object], seed: int = 0) -> None:
         before = (want_k, want_v)
 
 
+def _older_state_then_new(t: Tensor, k: Tensor, v: Tensor, before: tuple[Tensor, Tensor]) -> bool:
+    """Whether ``t`` is a shorter prefix of what the cache should hold (``before``) followed by the new
+    chunk: the concatenation was returned, never stored."""
+    if t.dim() != 4 or tuple(t.shape[:2]) != tuple(k.shape[:2]) or t.shape[3] != k.shape[3]:
+        return False
+    Tn, S = k.shape[2], t.shape[2]
+    if not Tn < S < before[0].shape[2] + Tn:  # a non-empty prefix, shorter than what was stored
+        return False
+    return any(same(t[:, :, S - Tn:], new) and same(t[:, :, :S - Tn], prev[:, :, :S - Tn])
+               for new, prev in ((k, before[0]), (v, before[1])))
+
+
 def _kv_shape_hint(t: Tensor, k: Tensor, v: Tensor, before: tuple[Tensor, Tensor] | None) -> str:
     B, H, Tn, d = k.shape
     if before is not None and (same(t, before[0]) or same(t, before[1])):
         return "It is what was stored BEFORE this call: append the new chunk first, then return."
     if same(t, k) or same(t, v):
-        return "It is only the new chunk: keep what was stored before and return everything so far."
+        return ("It is only the new chunk: keep what was stored before (store the concatenation: self.k = "
+                "torch.cat([self.k, k], dim=2)) and return everything so far.")
+    if before is not None and _older_state_then_new(t, k, v, before):
+        return ("It is what the cache held some calls ago followed by the new chunk: update returns the "
+                "concatenation but never stores it, so the cache forgets each chunk after returning it. Store it "
+                "first (self.k = torch.cat([self.k, k], dim=2), the same for v), then return self.k, self.v.")
     if t.dim() == 4 and t.shape[1] != H:
         return "You appended on the heads axis (dim 1): time is dim 2 of (B, H, T, d); use torch.cat(..., dim=2)."
     if t.dim() == 4 and t.shape[0] != B:

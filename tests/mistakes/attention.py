@@ -133,6 +133,9 @@ MISTAKES = [
             _A.format("    s = q @ k.transpose(-2, -1)\n    if mask is not None:\n"
                       "        s = s.masked_fill(~mask, float('-inf'))\n    return torch.softmax(s, dim=-1) @ v"),
             "your weights are wrong: you did not divide the scores by sqrt(d)"),
+    Mistake("attend", "q scaled again before attention_weights",
+            _A.format("    d = q.shape[-1]\n    return attention_weights(q / math.sqrt(d), k, mask) @ v"),
+            "divided the scores by sqrt(d) twice"),
     Mistake("attend", "returns a tuple", _A.format("    w = attention_weights(q, k, mask)\n    return w @ v, w"),
             "got a tuple"),
     Mistake("attend", "delegates to SDPA",

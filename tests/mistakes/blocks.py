@@ -149,6 +149,16 @@ MISTAKES = [
             "    a, b = x[..., 0::2], x[..., 1::2]\n    c, s = cos[..., :h], sin[..., :h]\n"
             "    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)\n",
             "interleaved pairs"),
+    Mistake("apply_rope", "interleaved pairs with the tables as given (rotate_every_two)",
+            "def apply_rope(x, cos, sin):\n    import torch\n"
+            "    rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)\n"
+            "    return x * cos + rotated * sin\n",
+            "interleaved pairs"),
+    Mistake("apply_rope", "interleaved pairs, every other angle (Meta's table layout)",
+            "def apply_rope(x, cos, sin):\n    import torch\n"
+            "    a, b = x[..., 0::2], x[..., 1::2]\n    c, s = cos[..., 0::2], sin[..., 0::2]\n"
+            "    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2)\n",
+            "interleaved pairs"),
     Mistake("apply_rope", "sin sign flipped",
             _ROPE.format("    return x * cos + torch.cat([x2, -x1], dim=-1) * sin"), "sign of the sine term"),
     Mistake("apply_rope", "minus forgotten",

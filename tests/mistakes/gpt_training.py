@@ -121,6 +121,10 @@ MISTAKES = [
     Mistake("GPT", "no position embedding at all", _gpt(wpe="", embed="self.wte(idx)"), "no position embedding wpe"),
     Mistake("GPT", "untied head", _gpt(tie=""), "not tied to the token embedding"),
     Mistake("GPT", "final norm unused", _gpt(final="x"), "no final norm"),
+    Mistake("GPT", "returns probabilities",
+            _gpt().replace("return self.lm_head(self.ln_f(x))",
+                           "return torch.softmax(self.lm_head(self.ln_f(x)), dim=-1)"),
+            "returned probabilities"),
     Mistake("GPT", "long sequences not rejected", _gpt(check=""), "was not rejected by your code"),
     Mistake("GPT", "delegates to gptlab", '''
 from gptlab.model import GPT as _GPT, GPTConfig
@@ -141,6 +145,8 @@ class GPT(nn.Module):
     Mistake("count_params", "norms forgotten",
             _count(block="(3 * C * C + 3 * C) + (C * C + C) + (4 * C * C + 4 * C) + (4 * C * C + C)",
                    total="vocab_size * C + block_size * C + n_layer * per_block"), "forgot the layer norms"),
+    Mistake("count_params", "final layer norm forgotten",
+            _count(total="vocab_size * C + block_size * C + n_layer * per_block"), "forgot the final layer norm"),
     Mistake("count_params", "position embedding forgotten", _count(total="vocab_size * C + n_layer * per_block + 2 * C"),
             "forgot the position embedding"),
     Mistake("count_params", "builds gptlab's model", '''

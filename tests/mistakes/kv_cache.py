@@ -73,6 +73,9 @@ MISTAKES = [
             "        old = (self.k, self.v)\n        self.k = torch.cat([self.k, k], dim=2)\n"
             "        self.v = torch.cat([self.v, v], dim=2)\n        return old\n",
             "BEFORE this call"),
+    Mistake("KVCache", "returns the concatenation without storing it",
+            _cache("            return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)"),
+            "never stores it"),
     Mistake("KVCache", "values and keys swapped",
             _cache("            self.k = torch.cat([self.k, k], dim=2)\n            self.v = torch.cat([self.v, v], dim=2)",
                    ret="self.v, self.k"),
