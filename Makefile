@@ -67,9 +67,14 @@ data: $(STAMP)
 	@echo "==> fetching and verifying the data (seed: $${GPTLAB_SEED_DIR:-none})"
 	$(PY) -m gptlab fetch
 
+# The chapters run with no one watching: progress bars as plain text (gptlab's) or none (Hugging
+# Face's), never ipywidgets widgets, whose page would load the widget manager from a CDN. The same
+# as tests/_book_build.py's BOOK_ENV (tests/test_book.py checks it).
+BOOK_ENV := GPTLAB_PROGRESS=text HF_HUB_DISABLE_PROGRESS_BARS=1
+
 book: $(STAMP) data
 	@echo "==> building the book into _build/html"
-	$(VENV)/bin/jupyter-book build . -W -n --keep-going
+	$(BOOK_ENV) $(VENV)/bin/jupyter-book build . -W -n --keep-going
 	test -f _build/html/index.html
 	@echo "==> open _build/html/index.html"
 

@@ -62,6 +62,7 @@ from .evaluation import mean_cross_entropy, val_windows
 from .metrics import TrainLog, append_jsonl, plot_metrics, read_metrics, read_train_log, write_metrics
 from .model import GPT
 from .rng import rng_state, set_rng_state
+from .progress import progress_bar
 from .train_config import RECIPES, TrainConfig, get_recipe, lr_at
 
 __all__ = [
@@ -468,9 +469,8 @@ class Trainer:
                 reached = row
         bar = None
         if cfg.progress and self.dist.master:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+            # a widget in a notebook, plain text with GPTLAB_PROGRESS=text (the book build)
+            bar = progress_bar(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
         try:
             while self.step < stop and reached is None:
                 lr = lr_at(self.step, cfg)
@@ -487,11 +487,12 @@ class Trainer:
                 if bar is not None:
                     bar.update(1)
                     if self.step % 10 == 0 or self.step == stop:
-                        bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{lr:.2e}")
+                        bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{lr:.2e}", refresh=False)
                 if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps:
                     row = self._log_row()
                     if bar is not None:
-                        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}")
+                        bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}",
+                                        refresh=False)
                     if self._checks_target(row):
                         reached = row
                         if self.train_log.n:  # the run ends here: log its last steps

@@ -29,6 +29,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_TIMEOUT_S = 3600
+# The chapters run with no one watching: their progress bars are plain text (gptlab's, see
+# gptlab/progress.py) or off (Hugging Face's, e.g. a download), never ipywidgets widgets, whose
+# page would load the widget manager from a CDN. `make book` sets the same (its BOOK_ENV; checked
+# by tests/test_book.py).
+BOOK_ENV = {"GPTLAB_PROGRESS": "text", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +80,7 @@ def build_book_once(tmp_path_factory: pytest.TempPathFactory) -> BookBuild:
             pytest.fail("jupyter-book is not installed: pip install -c constraints.txt -e '.[book]'", pytrace=False)
         env = dict(os.environ)
         env.pop("MPLBACKEND", None)  # the kernels must draw inline, whatever a test process set
+        env.update(BOOK_ENV)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         shutil.rmtree(out, ignore_errors=True)
         start = time.perf_counter()

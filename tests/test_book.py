@@ -8,6 +8,12 @@
 * The build (`jupyter-book build . -W -n --keep-going`, as `make book`; built once per session by
   `tests/_book_build.py`, shared with the browser test) passes without a warning, executes every
   notebook, and gives every notebook page a download button and a launch button into Colab.
+* Offline, whatever the build machine's network: no built page names a resource on another host
+  (tests/_offline.py reads every page's source; the browser test also watches the requests), and
+  no notebook, as committed or as the build executed it, holds an ipywidgets widget (a tqdm.auto
+  progress bar, say: its page would load the widget manager from a CDN). The build runs the
+  chapters with plain-text progress bars (`BOOK_ENV`, the same in the Makefile), and myst-nb is
+  told never to load the widget scripts (`nb_ipywidgets_js: {}`).
 * nbval-style, from that one execution: no cell of a book notebook raises, and every cell's output
   equals the output committed in the notebook, except cells tagged `nbval-ignore-output` (the
   tag `pytest --nbval` honours too) whose output depends on the machine.
@@ -22,7 +28,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _book_build import REPO, BookBuild, build_book_once
+from _book_build import BOOK_ENV, REPO, BookBuild, build_book_once
+from _offline import WIDGET_STATE, WIDGET_VIEW, foreign_resources, widget_problems
 from gptlab.notebook_setup import has_setup_cell, render_setup_source
 
 BOOK_NOTEBOOKS = sorted(p for p in (REPO / "book").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
@@ -32,7 +39,8 @@ EXERCISE_NOTEBOOKS = sorted(p for folder in ("solutions", "exercises") for p in 
 CONFIG = yaml.safe_load((REPO / "_config.yml").read_text())
 REPO_URL, REPO_BRANCH = CONFIG["repository"]["url"], CONFIG["repository"].get("branch", "main")
 REFRESH_OUTPUTS = (
-    "jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.record_timing=False {nb}"
+    " ".join(f"{k}={v}" for k, v in BOOK_ENV.items())
+    + " jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.record_timing=False {nb}"
 )
 
 
@@ -90,6 +98,8 @@ def test_config_and_toc():
     assert sphinx["recursive_update"] is True
     assert sphinx["config"]["html_theme_options"]["navbar_persistent"] == []
     assert sphinx["config"]["html_context"]["default_mode"] in ("auto", "light", "dark")
+    # a page with an ipywidgets widget must not load require.js and the widget manager from CDNs
+    assert sphinx["config"]["nb_ipywidgets_js"] == {}, "_config.yml: sphinx.config.nb_ipywidgets_js must be {}"
     assert config["launch_buttons"]["colab_url"] == "https://colab.research.google.com"
     assert not config["launch_buttons"].get("thebe")
 
@@ -105,6 +115,30 @@ def test_config_and_toc():
 
 def test_there_is_a_notebook():
     assert REPO / "book" / "setup_check.ipynb" in BOOK_NOTEBOOKS
+
+
+def test_make_book_runs_the_chapters_as_the_tests_build_does():
+    """`make book` (the published book) sets the environment of tests/_book_build.py: plain-text
+    progress bars, none from Hugging Face, so that no executed cell displays a widget."""
+    makefile = (REPO / "Makefile").read_text()
+    line = re.search(r"^BOOK_ENV\s*:?=\s*(.*)$", makefile, re.MULTILINE)
+    assert line, "the Makefile defines no BOOK_ENV"
+    assert dict(item.split("=", 1) for item in line.group(1).split()) == BOOK_ENV
+    recipe = re.search(r"^book:.*\n((?:\t.*\n)+)", makefile, re.MULTILINE).group(1)
+    build = [cmd for cmd in recipe.splitlines() if "jupyter-book build" in cmd]
+    assert build and all(cmd.strip().startswith("$(BOOK_ENV) ") for cmd in build), build
+
+
+@pytest.mark.parametrize("notebook", BOOK_NOTEBOOKS, ids=[_rel(p) for p in BOOK_NOTEBOOKS])
+def test_committed_notebook_holds_no_widget(notebook: Path):
+    """An ipywidgets widget stored in a chapter (its output, or its state in the metadata) makes
+    its page load the widget manager from a CDN, and draws nothing offline."""
+    problems = widget_problems(json.loads(notebook.read_text()))
+    assert not problems, (
+        f"{_rel(notebook)} holds ipywidgets widgets:\n  " + "\n  ".join(problems)
+        + f"\nStore its outputs again with plain-text progress bars: {REFRESH_OUTPUTS.format(nb=_rel(notebook))}"
+        + "\n(and remove the notebook metadata key 'widgets')"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,14 +234,19 @@ def test_book_builds_offline_without_warnings(book: BookBuild):
 
     pages = sorted(html.rglob("*.html"))
     assert pages
+    outside = {}
     for page in pages:
         source = page.read_text()
         name = page.relative_to(html).as_posix()
-        for src in _scripts(source):
-            assert not re.match(r"(https?:)?//", src), f"{name} loads a script from the network: {src}"
+        if foreign_resources(source):
+            outside[name] = foreign_resources(source)
+        for kind in (WIDGET_VIEW, WIDGET_STATE):
+            assert kind not in source, f"{name} holds an ipywidgets widget ({kind}): it draws nothing offline"
         assert "THEBE_JS_URL" not in source, f"{name} still carries sphinx-thebe's script"
         # pydata-sphinx-theme's top bar (its <header> stays, empty, taking no room)
         assert "bd-header__inner" not in source, f"{name} has the extra top bar with a second search field"
+    assert not outside, "pages load resources from other hosts (scripts, styles, images, ...):\n" + "\n".join(
+        f"  {name}: {', '.join(urls)}" for name, urls in outside.items())
     assert "_static/gptlab.css" in intro, "the local style fixes (_static/gptlab.css) are not loaded"
     mathjax = [s for s in _scripts(intro) if "mathjax" in s.lower()]
     assert mathjax, "the intro page loads no MathJax at all"
@@ -282,6 +321,13 @@ def test_notebook_outputs_match_the_build(book: BookBuild, notebook: Path):
     code_cells = [c for c in committed["cells"] if c["cell_type"] == "code"]
     assert len(by_id) == len(code_cells), f"{rel}: the executed copy has {len(by_id)} code cells, the notebook {len(code_cells)}"
     refresh = REFRESH_OUTPUTS.format(nb=rel.as_posix())
+    widgets = widget_problems(executed)
+    assert not widgets, (
+        f"{rel}: the build's execution displayed ipywidgets widgets (a page holding one would load the widget "
+        f"manager from a CDN, and draws nothing offline):\n  " + "\n  ".join(widgets)
+        + f"\nThe build must run with {BOOK_ENV} (tests/_book_build.py, the Makefile's BOOK_ENV): gptlab's bars "
+        "(gptlab.progress.progress_bar) are then plain text; turn off any other library's tqdm.auto bar."
+    )
     for i, cell in enumerate(code_cells):
         ran = by_id[cell["id"]]
         where = f"{rel}, code cell {i} (id {cell['id']!r})"

@@ -8,8 +8,14 @@ at 1280x900 and at 390x844 (a phone), must have:
 * no JavaScript error in the console (no SEVERE log entry),
 * its formulas typeset by MathJax (no raw ``$$``, ``\\(`` or ``\\[`` left in the text),
 * every image loaded (``naturalWidth > 0``),
-* not one request to any host but the local server (every request is read from Chrome's
-  performance log, the DevTools protocol's ``Network.requestWillBeSent``),
+* not one request to any host but the local server, seen three ways: every request Chromium
+  made (its performance log: the DevTools protocol's ``Network.requestWillBeSent`` and
+  ``Network.webSocketCreated``), every entry of the page's resource timing
+  (``performance.getEntriesByType("resource")``), and every resource the page's HTML names
+  (tests/_offline.py: scripts, stylesheets, preloads, images, frames, CSS ``url()``, an ipywidgets
+  manager's CDN); ``test_outside_requests_are_caught`` checks the three on a synthetic page shaped
+  like a chapter that displays a tqdm.auto progress bar (an ipywidgets widget: myst-nb then loads
+  ``require.js`` and the widget manager from CDNs), so that the check cannot quietly stop working,
 * at the phone width, nothing wider than the screen, except inside a box that scrolls sideways
   (code, formulas), and those boxes really scroll.
 
@@ -25,6 +31,7 @@ chromium-driver``; ``make setup`` installs them when it can); skipped, saying so
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import http.server
 import json
@@ -43,6 +50,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from _book_build import REPO, BookBuild, build_book_once
+from _offline import foreign_resources
 
 CHROMIUM = Path(os.environ.get("GPTLAB_CHROMIUM", "/usr/bin/chromium"))
 CHROMEDRIVER = Path(os.environ.get("GPTLAB_CHROMEDRIVER", "/usr/bin/chromedriver"))
@@ -77,11 +85,10 @@ class _QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-@pytest.fixture(scope="module")
-def site(book: BookBuild) -> Iterator[str]:
-    """``http://127.0.0.1:<free port>``, serving the built ``_build/html`` from a thread."""
-    book.check()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(book.html)))
+@contextlib.contextmanager
+def _serve(directory: Path) -> Iterator[str]:
+    """``http://127.0.0.1:<free port>``, serving ``directory`` from a thread."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_QuietHandler, directory=str(directory)))
     thread = threading.Thread(target=server.serve_forever, name="book-http", daemon=True)
     thread.start()
     try:
@@ -90,6 +97,14 @@ def site(book: BookBuild) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def site(book: BookBuild) -> Iterator[str]:
+    """The built ``_build/html``, served on localhost."""
+    book.check()
+    with _serve(book.html) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -148,13 +163,15 @@ def _open(d: webdriver.Chrome, url: str) -> None:
 
 
 def _drain_logs(d: webdriver.Chrome) -> tuple[list[dict], list[str]]:
-    """Console entries and requested URLs since the last call."""
+    """Console entries and requested URLs (DevTools' network events) since the last call."""
     console = d.get_log("browser")
     urls = []
     for entry in d.get_log("performance"):
         message = json.loads(entry["message"])["message"]
         if message["method"] == "Network.requestWillBeSent":
             urls.append(message["params"]["request"]["url"])
+        elif message["method"] == "Network.webSocketCreated":
+            urls.append(message["params"]["url"])
     return console, urls
 
 
@@ -162,6 +179,23 @@ def _foreign(urls: list[str], site: str) -> list[str]:
     host = urlsplit(site).netloc
     return sorted({u for u in urls if urlsplit(u).scheme not in ("data", "blob", "about")
                    and urlsplit(u).netloc != host})
+
+
+# every resource the current page fetched (failed fetches included), and the page itself
+_RESOURCE_TIMING = """
+    return performance.getEntriesByType("navigation").concat(performance.getEntriesByType("resource"))
+                      .map(e => e.name);
+"""
+
+
+def _outside_requests(d: webdriver.Chrome, site: str, urls: list[str], source: str) -> list[str]:
+    """Every way the page just opened reaches a host other than ``site``: the requests in
+    Chromium's DevTools log (``urls``, from :func:`_drain_logs`), the page's resource timing
+    entries, and the resources its HTML ``source`` names (:func:`_offline.foreign_resources`)."""
+    found = [f"request to another host (DevTools network log): {u}" for u in _foreign(urls, site)]
+    found += [f"request to another host (resource timing): {u}" for u in _foreign(d.execute_script(_RESOURCE_TIMING), site)]
+    found += [f"loads a resource from another host (page source): {u}" for u in foreign_resources(source)]
+    return found
 
 
 def _screenshot(d: webdriver.Chrome, path: Path) -> None:
@@ -247,8 +281,7 @@ def test_every_page_renders_offline(book: BookBuild, site: str, driver: webdrive
         for entry in console:
             if entry["level"] == "SEVERE":
                 problems.append(f"{page}: console error: {entry['message']}")
-        for url in _foreign(urls, site):
-            problems.append(f"{page}: request to another host: {url}")
+        problems += [f"{page}: {p}" for p in _outside_requests(driver, site, urls, (book.html / page).read_text())]
         typeset, math_nodes, text = driver.execute_script(_MATH_TEXT)
         if math_nodes and not typeset:
             problems.append(f"{page}: {math_nodes} formulas but nothing typeset by MathJax")
@@ -268,6 +301,64 @@ def test_every_page_renders_offline(book: BookBuild, site: str, driver: webdrive
     # the pages with formulas were really checked
     _open(driver, f"{site}/book/intro.html")
     assert driver.execute_script("return document.querySelectorAll('mjx-container').length") > 0
+
+
+# What myst-nb writes into the page of a notebook whose cell displayed an ipywidgets widget (a
+# tqdm.auto progress bar): the widget's view and state, and its nb_ipywidgets_js scripts.
+_WIDGET_OUTPUT = """
+<div class="cell_output docutils container"><div class="output text_html">
+<script type="application/vnd.jupyter.widget-view+json">{"model_id": "7f3c", "version_major": 2, "version_minor": 0}</script>
+</div></div>
+<script type="application/vnd.jupyter.widget-state+json">{"state": {}, "version_major": 2, "version_minor": 0}</script>
+"""
+
+
+def _synthetic_page(head: str, body: str) -> str:
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>synthetic</title>{head}</head>"
+            f"<body><article><h1>A page</h1><p>text</p>{body}</article></body></html>")
+
+
+def test_outside_requests_are_caught(driver: webdriver.Chrome, tmp_path: Path):
+    """The offline checks of test_every_page_renders_offline, on synthetic pages served from localhost.
+
+    A page shaped like a chapter whose training cell displayed a tqdm.auto bar as a widget (the
+    scripts come from myst-nb's own default ``nb_ipywidgets_js``, plus a stylesheet and an image
+    on other hosts): each of the three ways (DevTools network log, resource timing, page source)
+    must report each outside URL. A page with only local resources: nothing reported.
+    """
+    from myst_nb.core.config import ipywidgets_js_factory
+
+    widget_js = ipywidgets_js_factory()
+    assert widget_js, "myst-nb no longer loads any script for widgets: update this test"
+    scripts = "".join(f'<script src="{src}" ' + " ".join(f'{k}="{v}"' for k, v in attrs.items()) + "></script>"
+                      for src, attrs in widget_js.items())
+    outside = ['<link rel="stylesheet" href="https://example.org/theme.css">', '<img src="//example.net/pixel.png" alt="">']
+    (tmp_path / "widget.html").write_text(_synthetic_page(scripts + outside[0], _WIDGET_OUTPUT + outside[1]))
+    (tmp_path / "local.js").write_text("window.localScript = true;\n")
+    (tmp_path / "local.css").write_text("p { color: #222; }\n")
+    (tmp_path / "clean.html").write_text(_synthetic_page(
+        '<link rel="stylesheet" href="local.css"><script src="local.js"></script>'
+        '<link rel="next" href="https://example.com/elsewhere.html">',  # names a page: no request
+        '<a href="https://example.com/">a link (followed only on a click)</a>'))
+    with _serve(tmp_path) as local:
+        _drain_logs(driver)
+        _open(driver, f"{local}/clean.html")
+        _, urls = _drain_logs(driver)
+        assert driver.execute_script("return window.localScript === true"), "the local page did not load"
+        assert _outside_requests(driver, local, urls, (tmp_path / "clean.html").read_text()) == []
+
+        _open(driver, f"{local}/widget.html")
+        _, urls = _drain_logs(driver)
+        found = _outside_requests(driver, local, urls, (tmp_path / "widget.html").read_text())
+    expected = [*widget_js, "https://example.org/theme.css", "//example.net/pixel.png"]
+    for way in ("DevTools network log", "resource timing", "page source"):
+        reported = [f for f in found if f"({way})" in f]
+        for url in expected:
+            # the browser reports the protocol-relative URL with the page's scheme
+            assert any(f.endswith(url.removeprefix("//")) for f in reported), \
+                f"{url} was not reported by the {way} check; it reported:\n" + "\n".join(reported)
+    assert any("cdn.jsdelivr.net/npm/" in f and f.endswith("/npm/") for f in found), \
+        "the widget manager's CDN (data-jupyter-widgets-cdn) was not reported"
 
 
 def test_toc_button_opens_the_sidebar_on_a_phone(site: str, driver: webdriver.Chrome, screenshots: Path):
