@@ -22,7 +22,8 @@ The loop, as in nanoGPT:
   trains a small model to predict like a big one (a draft for speculative decoding accepts more of
   its guesses when it does); ``train_loss`` in the metrics is that loss, ``val_loss`` stays the
   cross-entropy;
-* on CUDA: bf16 autocast (fp16 + GradScaler where bf16 is missing), TF32 matmuls, fused AdamW,
+* on CUDA: bf16 autocast where the GPU has bf16 natively, fp16 + GradScaler on older ones (Colab's
+  T4; :func:`gptlab.device.autocast_dtype`), TF32 matmuls, fused AdamW,
   optional ``torch.compile``; several GPUs (or CPU processes) with ``torchrun``
   (DistributedDataParallel: rank 0 logs and saves, every rank draws its own batches).
 
@@ -56,13 +57,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .checkpoint import load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
-from .device import pick_device
+from .device import autocast_dtype, pick_device
 from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
 from .evaluation import mean_cross_entropy, val_windows
 from .metrics import TrainLog, append_jsonl, plot_metrics, read_metrics, read_train_log, write_metrics
 from .model import GPT
-from .rng import rng_state, set_rng_state
 from .progress import progress_bar
+from .rng import rng_state, set_rng_state
 from .train_config import RECIPES, TrainConfig, get_recipe, lr_at
 
 __all__ = [
@@ -133,17 +134,6 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, ce: to
     return (1.0 - weight) * ce + weight * kl
 
 
-def _resolve_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.dtype]
-    if dtype == torch.float16 and device.type != "cuda":
-        raise ValueError(f"dtype 'float16' needs CUDA (loss scaling); device is {device.type!r}: use 'bfloat16' or 'float32'")
-    return dtype
-
-
 class Trainer:
     """One training run: model, optimiser, data, loop state. :func:`train` is the short way.
 
@@ -176,7 +166,7 @@ class Trainer:
             self.device = torch.device("cuda", self.dist.local_rank)
         else:
             self.device = pick_device(cfg.device)
-        self.dtype = _resolve_dtype(cfg, self.device)
+        self.dtype = autocast_dtype(self.device, cfg.dtype)  # bf16 / fp16 + GradScaler / fp32 by GPU
         if self.device.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -635,7 +625,8 @@ def register_cli(subparsers) -> None:
     p.add_argument("--data-dir", help="folder of the prepared data (default: the cache)")
     p.add_argument("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="autocast dtype (auto: bf16 on CUDA, fp16+GradScaler without bf16; fp32 elsewhere)")
+                   help="autocast dtype (auto: bf16 on GPUs with native bf16, e.g. A100/H100; fp16 + GradScaler on older "
+                        "ones, e.g. T4; fp32 on MPS and CPU)")
     p.add_argument("--num-threads", type=int, help="CPU threads for torch")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt if it exists")
