@@ -189,7 +189,9 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
                     sub = gb.find_submission(name, student)
                     for snb in sub.notebooks:
                         for g in snb.grades:
-                            scores[(snb.name, g.name)] = None if g.score is None else float(g.score)
+                            # nbgrader's score is 0 when there is none: not graded yet is no score
+                            none = g.auto_score is None and g.manual_score is None
+                            scores[(snb.name, g.name)] = None if none else float(g.score or 0.0)
                 except MissingEntry:
                     pass
                 values = [scores.get((nb, gid)) for nb, gid, _ in cells]
@@ -265,16 +267,22 @@ def _cmd_collect(args) -> int:
 
 
 def _cmd_autograde(args) -> int:
-    from .autograde import autograde
+    from .autograde import autograde, missing_summary
 
     course = _course(args)
-    results = autograde(course, course.assignments(args.assignments), args.student or None, args.workers,
-                        args.timeout, progress=not args.quiet)
+    assignments = course.assignments(args.assignments)
+    results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
+                        progress=not args.quiet)
     for r in sorted(results, key=lambda r: (r["assignment"], r["student"])):
         notes = f"  ({len(r['notes'])} note(s))" if r["notes"] else ""
         print(f"{r['assignment']}  {r['student']}: {r['total']:g}{notes}")
         for n in r["notes"]:
             print(f"    - {n['message']}")
+    missing = missing_summary(course, assignments, results, args.student or None)
+    if missing:
+        print("missing:")
+        for line in missing:
+            print(f"  {line}")
     print(f"{len(results)} submission(s) graded into {course.gradebook_url}")
     return 0
 

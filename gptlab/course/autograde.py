@@ -1,12 +1,15 @@
 """``course autograde``: students graded in parallel workers, one consistent SQLite gradebook.
 
-How it works, for each assignment:
+How it works, once for the whole run:
 
-1. The main gradebook gets the assignment (nbgrader ``generate_assignment`` into a scratch
-   release folder, if it is not there yet), then a read-only snapshot of it is taken.
-2. Each student is one job for a pool of ``--workers`` processes. A job works in its own scratch
-   folder, on its own copy of the snapshot gradebook, so no two processes ever write the same
-   SQLite file:
+1. The main gradebook gets every assignment of the run (nbgrader ``generate_assignment`` into a
+   scratch release folder, if it is not there yet), then one read-only snapshot of it is taken.
+2. Each (student, assignment) submission is one job for ONE pool of ``--workers`` processes that
+   lasts the whole run (a process costs seconds to start: ``import torch``, nbgrader), started
+   while step 1 runs; the longest assignments go first (the time limits their cells declare), so
+   no worker is left alone with a long job at the end; each process gets its share of the cores
+   for PyTorch. One worker grades in the main process. A job works in its own scratch folder, on
+   its own copy of the snapshot gradebook, so no two processes ever write the same SQLite file:
 
    * *check*: each submitted notebook is read; one that is not valid JSON or not a notebook is
      left out (nbgrader then gives it 0) and noted. Locked cells (the test cells) that were
@@ -19,24 +22,31 @@ How it works, for each assignment:
      deaths found in the autograded notebook become notes.
 
 3. The main process alone writes each job's scores into the main gradebook (one grade per test
-   cell), and the notes to ``autograded/.gptlab/<assignment>/<student>.json``; ``feedback`` puts
-   them in the student's HTML. A job that fails as a whole gives that student 0 and a note.
+   cell), as the jobs finish, and the notes to ``autograded/.gptlab/<assignment>/<student>.json``;
+   ``feedback`` puts them in the student's HTML. A job that fails as a whole gives that student 0
+   and a note; a worker process that dies costs only the job it was running (retried once, alone).
+4. :func:`missing_summary`: the students with no submission of an assignment, and the graded
+   ones with a notebook missing (``course autograde`` prints it at the end).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import json
 import multiprocessing
+import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from ._common import Course, CourseError, atomic_write, run_converter
 
-__all__ = ["autograde", "check_notebook", "grade_student"]
+__all__ = ["autograde", "check_notebook", "grade_student", "missing_summary"]
 
 
 # --------------------------------------------------------------------------- the reference cells
@@ -234,7 +244,8 @@ def _events(autograded_nb: Path, notebook: str) -> list[dict]:
 
 
 def _cell_times(autograded_nb: Path) -> dict[str, float]:
-    """grade_id -> seconds the cell ran, from nbclient's recorded timing (test and solution cells)."""
+    """grade_id -> seconds the cell ran, from nbclient's recorded timing (solution cells), or for a
+    test cell graded by the trusted grader the seconds its verdict took (``gptlab.verdict.seconds``)."""
     from datetime import datetime
 
     import nbformat
@@ -248,6 +259,9 @@ def _cell_times(autograded_nb: Path) -> dict[str, float]:
             t0 = datetime.fromisoformat(ex["iopub.execute_input"].replace("Z", "+00:00"))
             t1 = datetime.fromisoformat(ex["shell.execute_reply"].replace("Z", "+00:00"))
             times[gid] = (t1 - t0).total_seconds()
+        verdict = cell.metadata.get("gptlab", {}).get("verdict", {})
+        if gid and "seconds" in verdict:
+            times[gid] = float(verdict["seconds"])
     return times
 
 
@@ -412,11 +426,23 @@ def submitted_students(course: Course, assignment: str) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / assignment).is_dir() and not p.name.startswith("."))
 
 
+def _weight(course: Course, assignment: str) -> float:
+    """How long one submission of an assignment may take, roughly, to start the longest first:
+    the time limits its instructor's cells declare (the graded training of ``gpt_training``),
+    then its number of graded and answer cells."""
+    total = 0.0
+    for path in sorted((course.directory("source") / assignment).glob("*.ipynb")):
+        order, meta = _source_order_and_meta(course, assignment, path.stem)
+        total += len(order) + sum(float(m.get("timeout", 0) or 0) for m in meta.values() if isinstance(m, dict))
+    return total
+
+
 def autograde(course: Course, assignments: list[str], students: list[str] | None = None, workers: int = 1,
               timeout: int | None = None, progress: bool = True) -> list[dict]:
     """Autograde every (or the named) student's submission of each assignment; see the module doc.
 
-    Returns one result per (assignment, student): scores, notes, cell times, total.
+    Returns one result per (assignment, student), in the order of ``assignments`` then students:
+    scores, notes, cell times, total.
     """
     from nbgrader.api import Gradebook
     from tqdm.auto import tqdm
@@ -424,7 +450,7 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
     _quiet_sqlalchemy()
     if workers < 1:
         raise CourseError(f"--workers must be at least 1, got {workers}")
-    results = []
+    plan = []
     for assignment in assignments:
         who = submitted_students(course, assignment)
         if students:
@@ -435,24 +461,83 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
         if not who:
             print(f"{assignment}: nothing submitted in {course.directory('submitted')}/*/{assignment}", file=sys.stderr)
             continue
-        if not course.gradebook_url.startswith("sqlite:///"):
-            raise CourseError(f"course autograde needs a SQLite gradebook (sqlite:///PATH), got {course.gradebook_url}")
-        _ensure_assignment(course, assignment)
-        with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch:
-            snapshot = Path(scratch) / "snapshot.db"
+        plan.append((assignment, who))
+    if not plan:
+        return []
+    if not course.gradebook_url.startswith("sqlite:///"):
+        raise CourseError(f"course autograde needs a SQLite gradebook (sqlite:///PATH), got {course.gradebook_url}")
+    rank = {a: k for k, a in enumerate(assignments)}
+    weight = {a: _weight(course, a) for a, _ in plan}
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch:
+        snapshot = Path(scratch) / "snapshot.db"
+
+        def prepare() -> None:
+            # every assignment in the main gradebook, then one snapshot for every job of the run
+            for assignment, _ in plan:
+                _ensure_assignment(course, assignment)
             shutil.copyfile(course.gradebook_url[len("sqlite:///"):], snapshot)
-            jobs = [{"root": str(course.root), "db_url": course.db_url, "snapshot": str(snapshot), "scratch": scratch,
-                     "assignment": assignment, "student": s, "timeout": timeout} for s in who]
-            bar = tqdm(total=len(jobs), desc=f"autograde {assignment}", unit="student", disable=not progress or None)
-            with Gradebook(course.gradebook_url) as gb:
-                for res in _run_jobs(jobs, workers):
-                    res["total"] = _merge(gb, res)
-                    atomic_write(course.notes_path(assignment, res["student"]), json.dumps(res["notes"], indent=1))
-                    results.append(res)
-                    bar.set_postfix_str(f"{res['student']}: {res['total']:g}")
-                    bar.update()
+
+        jobs = [{"root": str(course.root), "db_url": course.db_url, "snapshot": str(snapshot), "scratch": scratch,
+                 "assignment": assignment, "student": s, "timeout": timeout} for assignment, who in plan for s in who]
+        # the longest submissions first, so that no worker is left with a long one at the end
+        jobs.sort(key=lambda j: (-weight[j["assignment"]], rank[j["assignment"]], j["student"]))
+        bar = tqdm(total=len(jobs), desc="autograde", unit="submission", disable=not progress or None)
+        gb = None
+        try:
+            for res in _run_jobs(jobs, workers, prepare):
+                if gb is None:
+                    gb = Gradebook(course.gradebook_url)
+                res["total"] = _merge(gb, res)
+                atomic_write(course.notes_path(res["assignment"], res["student"]), json.dumps(res["notes"], indent=1))
+                results.append(res)
+                bar.set_postfix_str(f"{res['assignment']} {res['student']}: {res['total']:g}")
+                bar.update()
+        finally:
+            if gb is not None:
+                gb.close()
             bar.close()
+    results.sort(key=lambda r: (rank[r["assignment"]], r["student"]))
     return results
+
+
+def missing_summary(course: Course, assignments: list[str], results: list[dict],
+                    students: list[str] | None = None) -> list[str]:
+    """What an autograde run could not grade, one line per assignment and kind, for the summary:
+    the students (of the gradebook or of ``submitted/``; only the named ones with ``students``)
+    with no submission of an assignment, and the graded students with a notebook missing (their
+    results' notes of kind ``missing`` on a whole notebook)."""
+    from nbgrader.api import Gradebook
+
+    if students:
+        roster = set(students)
+    else:
+        roster = set()
+        url = course.gradebook_url
+        if not url.startswith("sqlite:///") or Path(url[len("sqlite:///"):]).is_file():
+            with Gradebook(url) as gb:
+                roster = {s.id for s in gb.students}
+        folder = course.directory("submitted")
+        if folder.is_dir():
+            roster |= {p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")}
+    lines = []
+    for assignment in assignments:
+        handed_in = set(submitted_students(course, assignment))
+        absent = sorted(roster - handed_in)
+        if absent:
+            lines.append(f"{assignment}: no submission from {', '.join(absent)}")
+        lacking = {}
+        for r in results:
+            if r["assignment"] != assignment:
+                continue
+            gone = [n["notebook"] for n in r["notes"]
+                    if n.get("kind") == "missing" and n.get("cell") is None and n.get("notebook")]
+            if gone:
+                lacking[r["student"]] = gone
+        if lacking:
+            lines.append(f"{assignment}: notebook(s) missing from " + ", ".join(
+                f"{s} ({', '.join(f'{nb}.ipynb' for nb in nbs)})" for s, nbs in sorted(lacking.items())))
+    return lines
 
 
 def _failed_job(job: dict, why: str) -> dict:
@@ -462,38 +547,241 @@ def _failed_job(job: dict, why: str) -> dict:
                        "message": f"the autograder itself failed on this submission ({why}): it scored 0."}]}
 
 
-def _run_jobs(jobs: list[dict], workers: int):
-    """Yield each job's result as it finishes. A worker process that dies costs its job only."""
-    if workers == 1:
-        for job in jobs:
-            try:
-                yield grade_student(job)
-            except Exception as e:  # noqa: BLE001 (one student must not stop the run)
-                yield _failed_job(job, f"{type(e).__name__}: {e}")
-        return
-    pending = list(jobs)
-    retried = set()
-    while pending:
-        ctx = multiprocessing.get_context("spawn")
-        broken = []
-        with cf.ProcessPoolExecutor(max_workers=min(workers, len(pending)), mp_context=ctx) as pool:
-            futures = {pool.submit(grade_student, job): job for job in pending}
-            for fut in cf.as_completed(futures):
-                job = futures[fut]
-                try:
-                    yield fut.result()
-                except cf.process.BrokenProcessPool:
-                    broken.append(job)
-                except Exception as e:  # noqa: BLE001
-                    yield _failed_job(job, f"{type(e).__name__}: {e}")
-        pending = []
-        for job in broken:  # a worker died: retry its jobs once, one at a time
-            key = (job["assignment"], job["student"])
-            if key in retried:
-                yield _failed_job(job, "the grading process died")
-            else:
-                retried.add(key)
-                pending.append(job)
-        if pending:
-            workers = 1
+# --------------------------------------------------------------------------- the pool of workers
 
+
+def _worker_start(threads: int) -> None:
+    """A worker process's start: its share of the cores for PyTorch (its own checks, and the
+    kernels it starts, which inherit the environment), and the imports every job needs, done once."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # unless set by the instructor
+        os.environ.setdefault(var, str(threads))
+    import torch
+
+    try:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    except ValueError:
+        torch.set_num_threads(threads)
+    import nbgrader.api  # noqa: F401
+    import nbgrader.converters  # noqa: F401
+
+    from . import execute  # noqa: F401
+    _quiet_sqlalchemy()
+
+
+def _started() -> None:
+    """Nothing: submitted to a new pool, it says when a worker process is ready."""
+
+
+def _work(job: dict, marker: str) -> dict:
+    """One job in a worker: leaves ``marker`` (the job has started), then grades it."""
+    Path(marker).touch()
+    return grade_student(job)
+
+
+def _stop(pool) -> None:
+    """Shut a pool down without waiting for processes that are still starting (no job runs):
+    the idle ones exit, the others are stopped."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + 1
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+
+
+_END = object()
+
+
+class _Feeder(threading.Thread):
+    """Keeps the pool's processes busy with the run's jobs, in a thread of the main process, and
+    puts each result in ``out`` (then ``_END``). A pool broken by a dying process is replaced:
+    the jobs that had not started go on in a new pool of ``size``; those that had started are
+    retried once, one at a time; a job that kills its process again gets ``_failed_job``."""
+
+    def __init__(self, pool, ready: list, size: int, todo: collections.deque, lock: threading.Lock, ctx,
+                 threads: int, marks: str):
+        super().__init__(name="gptlab-autograde-feeder", daemon=True)
+        self.pool, self.ready, self.size, self.todo, self.lock = pool, ready, size, todo, lock
+        self.ctx, self.threads, self.marks = ctx, threads, Path(marks)
+        self.out: queue.Queue = queue.Queue()
+        self.warm = threading.Event()  # a process of the first pool is ready: the main process stops grading
+        self.halt = threading.Event()
+        self.error: BaseException | None = None
+        self.count = 0
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as e:  # noqa: BLE001 (handed to the main thread)
+            self.error = e
+        finally:
+            self.out.put(_END)
+
+    def _take(self, source: list | collections.deque):
+        with self.lock:
+            return source.popleft() if isinstance(source, collections.deque) and source else \
+                (source.pop(0) if source else None)
+
+    def _run(self) -> None:
+        suspects: list[dict] = []
+        pool, ready, size, alone = self.pool, self.ready, self.size, False
+        fruitless = 0
+        while True:
+            broken, died = self._generation(pool, ready, size, suspects if alone else self.todo)
+            _stop(pool)
+            if self.halt.is_set():
+                return
+            started = [job for job, marker in broken if marker.exists()]
+            waiting = [job for job, marker in broken if not marker.exists()]
+            if alone:
+                suspects[:0] = waiting
+                for job in started:
+                    self.out.put(_failed_job(job, "the grading process died"))
+            else:
+                with self.lock:
+                    self.todo.extendleft(reversed(waiting))
+                suspects += started
+            fruitless = fruitless + 1 if died and not started else 0
+            with self.lock:
+                left = len(self.todo)
+            if fruitless >= 2:  # the processes die before any job starts
+                with self.lock:
+                    rest = list(self.todo) + suspects
+                    self.todo.clear()
+                for job in rest:
+                    self.out.put(_failed_job(job, "the grading processes died before it could start"))
+                return
+            if left:
+                alone, size = False, min(self.size, left)
+            elif suspects:
+                alone, size = True, 1
+            else:
+                return
+            self.warm.set()
+            pool, ready = self._pool(size), None
+
+    def _pool(self, size: int):
+        return cf.ProcessPoolExecutor(max_workers=size, mp_context=self.ctx, initializer=_worker_start,
+                                      initargs=(self.threads,))
+
+    def _generation(self, pool, ready: list | None, size: int, source) -> tuple[list[tuple[dict, Path]], bool]:
+        """Run jobs from ``source`` on ``pool`` until none is left or the pool breaks; returns the
+        (job, marker) of the jobs it broke, and whether it broke."""
+        in_flight: dict = {}
+        broken: list[tuple[dict, Path]] = []
+        while not self.halt.is_set():
+            is_ready = ready is None or any(f.done() for f in ready)
+            if is_ready:
+                self.warm.set()
+                while len(in_flight) < size and not broken:
+                    job = self._take(source)
+                    if job is None:
+                        break
+                    self.count += 1
+                    marker = self.marks / str(self.count)
+                    try:
+                        in_flight[pool.submit(_work, job, str(marker))] = (job, marker)
+                    except cf.process.BrokenProcessPool:
+                        broken.append((job, marker))
+            if not in_flight:
+                with self.lock:
+                    more = bool(source)
+                if is_ready or broken or not more:
+                    break  # done, or broken, or the main process took the last jobs before a process was ready
+            waiting = list(in_flight) + [f for f in ready or [] if not f.done()]
+            done, _ = cf.wait(waiting, timeout=0.5, return_when=cf.FIRST_COMPLETED)
+            for fut in done:
+                if fut not in in_flight:
+                    if fut.exception() is not None:  # a process died while starting
+                        broken.append((None, None))
+                    continue
+                job, marker = in_flight.pop(fut)
+                try:
+                    self.out.put(fut.result())
+                except cf.process.BrokenProcessPool:
+                    broken.append((job, marker))
+                except Exception as e:  # noqa: BLE001
+                    self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
+            if broken:  # the pool is dead: every job in it ends now, with a result or broken
+                for fut, (job, marker) in in_flight.items():
+                    try:
+                        self.out.put(fut.result())
+                    except cf.process.BrokenProcessPool:
+                        broken.append((job, marker))
+                    except Exception as e:  # noqa: BLE001
+                        self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
+                break
+        return [(job, marker) for job, marker in broken if job is not None], bool(broken)
+
+
+def _run_jobs(jobs: list[dict], workers: int, prepare=None):
+    """Yield each job's result as it finishes, from ONE pool of ``workers`` processes for all the
+    jobs of the run (a process costs seconds to start: ``import torch``, nbgrader).
+
+    ``prepare()`` runs in this process first, while the pool's processes start; until one of them
+    is ready, this process grades jobs itself (so a short run is never slower than one worker).
+    One worker, or one job, runs in this process. A worker process that dies costs its job only:
+    the jobs it broke that had not started go on in a new pool; those that had started are
+    retried once, one at a time, and a job that kills its process again scores 0 with a note.
+    """
+    workers = min(workers, len(jobs))
+    if workers <= 1:
+        if prepare is not None:
+            prepare()
+        for job in jobs:
+            yield _in_process(job)
+        return
+    ctx = multiprocessing.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    todo, lock = collections.deque(jobs), threading.Lock()
+    with tempfile.TemporaryDirectory(prefix="gptlab-started-") as marks:
+        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_start,
+                                      initargs=(threads,))
+        try:
+            ready = [pool.submit(_started) for _ in range(workers)]
+            if prepare is not None:
+                prepare()
+        except BaseException:
+            _stop(pool)
+            raise
+        feeder = _Feeder(pool, ready, workers, todo, lock, ctx, threads, marks)
+        feeder.start()
+        try:
+            while True:
+                item = None
+                while True:  # what the pool finished first
+                    try:
+                        item = feeder.out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is _END:
+                        break
+                    yield item
+                if item is _END:
+                    break
+                if not feeder.warm.is_set():
+                    with lock:
+                        job = todo.popleft() if todo else None
+                    if job is not None:
+                        yield _in_process(job)
+                        continue
+                item = feeder.out.get()
+                if item is _END:
+                    break
+                yield item
+        finally:
+            feeder.halt.set()
+            feeder.join()
+        if feeder.error is not None:
+            raise feeder.error
+
+
+def _in_process(job: dict) -> dict:
+    try:
+        return grade_student(job)
+    except Exception as e:  # noqa: BLE001 (one student must not stop the run)
+        return _failed_job(job, f"{type(e).__name__}: {e}")

@@ -214,6 +214,7 @@ class GptlabExecute(Execute):
     def _grade_trusted(self, cell: NotebookNode, index: int, grade_id: str) -> None:
         """Grade one test cell with :class:`TrustedGrader`, the kernel serving calls meanwhile."""
         limit = self._get_timeout(cell) or 30
+        started = time.perf_counter()
         folder = tempfile.mkdtemp(prefix="gl-")
         address = os.path.join(folder, "s")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -267,7 +268,7 @@ class GptlabExecute(Execute):
         shutil.rmtree(folder, ignore_errors=True)
         verdict = result.get("verdict") or Verdict(False, "the autograder did not finish this test; ask your "
                                                           "instructor.", "grader_error")
-        self._show_verdict(cell, verdict)
+        self._show_verdict(cell, verdict, time.perf_counter() - started)
 
     def _interrupt_on_timeout(self, result: dict, done: threading.Event, serving: threading.Event) -> None:
         """Interrupt the kernel as soon as the grader gave up waiting for the learner's function
@@ -287,7 +288,7 @@ class GptlabExecute(Execute):
             pass
 
     @staticmethod
-    def _show_verdict(cell: NotebookNode, verdict: Verdict) -> None:
+    def _show_verdict(cell: NotebookNode, verdict: Verdict, seconds: float | None = None) -> None:
         outputs = []
         if verdict.output:
             text = "\n".join(verdict.output)
@@ -302,6 +303,8 @@ class GptlabExecute(Execute):
         cell.metadata.setdefault(TIMEOUT_KEY, {})
         cell.metadata[TIMEOUT_KEY] = {**cell.metadata[TIMEOUT_KEY], "verdict": {
             "passed": verdict.passed, "kind": verdict.kind, "message": verdict.message}}
+        if seconds is not None:  # how long the trusted check took, the learner's calls included
+            cell.metadata[TIMEOUT_KEY]["verdict"]["seconds"] = round(seconds, 3)
 
     def _restart_kernel(self) -> None:
         """A fresh kernel, with the cells that had run fine run again (their outputs discarded)."""
