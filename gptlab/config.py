@@ -16,7 +16,10 @@ chapter teaches, each a configuration option:
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 __all__ = ["GPTConfig"]
 
@@ -51,27 +54,41 @@ class GPTConfig:
     head_dim_override: int | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        """Check every field's type and range (see :func:`_check_field`), then how they combine."""
+        for name in _FIELD_RULES:
+            object.__setattr__(self, name, _check_field(name, getattr(self, name)))
+
         def need(cond: bool, msg: str):
             if not cond:
                 raise ValueError(f"GPTConfig: {msg}")
 
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and v >= 1, f"{name} must be a positive int, got {v!r}")
         need(
             self.n_embd % self.n_head == 0 or self.head_dim_override is not None,
             f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})",
         )
         kv = self.kv_heads
-        need(kv >= 1 and self.n_head % kv == 0, f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
-        need(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        need(self.norm in ("layernorm", "rmsnorm"), f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
-        need(self.mlp in ("gelu", "swiglu"), f"mlp must be 'gelu' or 'swiglu', got {self.mlp!r}")
-        need(self.pos_emb in ("learned", "rope"), f"pos_emb must be 'learned' or 'rope', got {self.pos_emb!r}")
-        need(self.attn_impl in ("sdpa", "explicit"), f"attn_impl must be 'sdpa' or 'explicit', got {self.attn_impl!r}")
-        need(self.window_size is None or self.window_size >= 1, f"window_size must be >= 1, got {self.window_size}")
+        need(self.n_head % kv == 0, f"n_head ({self.n_head}) must be divisible by n_kv_head ({kv})")
         if self.pos_emb == "rope":
             need(self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "GPTConfig.from_dict") -> "GPTConfig":
+        """The config a dict holds (``to_dict()``'s output, a checkpoint's ``config.json``).
+
+        Fields left out take their defaults; an unknown field is a ``ValueError`` naming it and
+        the known ones (a typo or a config from another program must not be dropped silently);
+        each value is checked like the constructor's arguments. ``where`` prefixes the messages
+        (a file name, say).
+        """
+        if not isinstance(d, Mapping):
+            raise TypeError(f"{where}: a GPTConfig dict expected, got {type(d).__name__}")
+        unknown = sorted(str(k) for k in d if k not in _FIELD_RULES)
+        if unknown:
+            raise ValueError(f"{where}: unknown GPTConfig field(s) {unknown}; the fields are {sorted(_FIELD_RULES)}")
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{where}: {e}") from None
 
     @property
     def kv_heads(self) -> int:
@@ -91,3 +108,76 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ------------------------------------------------------------------------------ field checks
+
+# Each field's rule: ("int", least value), ("real", low, high, low included, high included: the
+# value must also be finite), ("bool",), ("choice", allowed values); optional: None is allowed.
+_FIELD_RULES: dict[str, tuple[tuple, bool]] = {
+    "vocab_size": (("int", 1), False),
+    "block_size": (("int", 1), False),
+    "n_layer": (("int", 1), False),
+    "n_head": (("int", 1), False),
+    "n_embd": (("int", 1), False),
+    "dropout": (("real", 0.0, 1.0, True, False), False),
+    "bias": (("bool",), False),
+    "n_kv_head": (("int", 1), True),
+    "n_inner": (("int", 1), True),
+    "norm": (("choice", ("layernorm", "rmsnorm")), False),
+    "norm_eps": (("real", 0.0, math.inf, False, False), False),
+    "mlp": (("choice", ("gelu", "swiglu")), False),
+    "pos_emb": (("choice", ("learned", "rope")), False),
+    "rope_theta": (("real", 0.0, math.inf, False, False), False),
+    "prenorm": (("bool",), False),
+    "tie_weights": (("bool",), False),
+    "window_size": (("int", 1), True),
+    "attn_impl": (("choice", ("sdpa", "explicit")), False),
+    "head_dim_override": (("int", 1), True),
+}
+
+
+def _check_field(name: str, value: Any) -> Any:
+    """``value`` checked against ``name``'s rule and normalised (a NumPy integer becomes an
+    ``int``, an int given for a real field a ``float``). A value of the wrong type (``True`` for an
+    int: a bool is not a count; ``"0.1"`` for a real: a string is not a number; ``"no"`` for a
+    bool) raises ``TypeError``, one out of range ``ValueError``; both name the field, the value and
+    what is allowed."""
+    rule, optional = _FIELD_RULES[name]
+    kind = rule[0]
+    if value is None and optional:
+        return None
+    none = " or None" if optional else ""
+    if kind == "int":
+        lo = rule[1]
+        what = f"a positive int{none}" if lo == 1 else f"an int >= {lo}{none}"
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"GPTConfig: {name} must be {what}, got {type(value).__name__} {value!r}")
+        if value < lo:
+            raise ValueError(f"GPTConfig: {name} must be {what}, got {value!r}")
+        return int(value)
+    if kind == "real":
+        lo, hi, lo_in, hi_in = rule[1:]
+        if hi == math.inf:
+            what = f"a finite number {'>=' if lo_in else '>'} {lo:g}"  # not inf, not NaN
+        else:
+            what = f"in {'[' if lo_in else '('}{lo:g}, {hi:g}{']' if hi_in else ')'}"
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"GPTConfig: {name} must be {what if hi == math.inf else 'a number ' + what}, "
+                            f"got {type(value).__name__} {value!r}")
+        v = float(value)
+        ok = math.isfinite(v) and (lo <= v if lo_in else lo < v) and (v <= hi if hi_in else v < hi)
+        if not ok:
+            raise ValueError(f"GPTConfig: {name} must be {what}, got {value!r}")
+        return v
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise TypeError(f"GPTConfig: {name} must be True or False, got {type(value).__name__} {value!r}")
+        return value
+    allowed = rule[1]
+    names = " or ".join(repr(a) for a in allowed)
+    if not isinstance(value, str):
+        raise TypeError(f"GPTConfig: {name} must be {names}, got {type(value).__name__} {value!r}")
+    if value not in allowed:
+        raise ValueError(f"GPTConfig: {name} must be {names}, got {value!r}")
+    return value

@@ -28,10 +28,12 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
 from __future__ import annotations
 
 import argparse
+import math
 import numbers
 import sys
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -63,26 +65,52 @@ def _check_idx(model, idx: Tensor, attention_mask: Tensor | None) -> Tensor | No
     return None if bool(m.all()) else m
 
 
+def _as_id(x) -> int | None:
+    """``x`` as a Python int if it is one token id: an int, a NumPy integer, or a 0-d integer
+    tensor or array (what ``tokenizer(...)`` and ``model.config`` hand out); None otherwise. A bool
+    is not an id."""
+    if isinstance(x, (bool, np.bool_)):
+        return None
+    if isinstance(x, Tensor):
+        integer = not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+        return int(x.item()) if x.ndim == 0 and integer else None
+    if isinstance(x, np.ndarray):
+        return int(x.item()) if x.ndim == 0 and x.dtype.kind in "iu" else None
+    return int(x) if isinstance(x, numbers.Integral) else None
+
+
 def _eos_tensor(eos_token_id, vocab_size: int, device) -> Tensor | None:
-    """The end-of-sequence ids as a tensor (n,), each checked to be in [0, vocab_size)."""
+    """The end-of-sequence ids as a tensor (n,), each checked to be in [0, vocab_size).
+
+    ``eos_token_id``: one id or a non-empty sequence of ids (list, tuple, 1-d tensor or array); an
+    id may be an int, a NumPy integer or a 0-d integer tensor, as Hugging Face accepts."""
     if eos_token_id is None:
         return None
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
+    one = _as_id(eos_token_id)
+    if one is not None:
+        ids = [one]
+    else:
+        many = isinstance(eos_token_id, (list, tuple)) or (
+            isinstance(eos_token_id, (Tensor, np.ndarray)) and eos_token_id.ndim == 1)
+        ids = [_as_id(i) for i in eos_token_id] if many else []
+        if not ids or None in ids:
+            raise TypeError(f"eos_token_id must be an int or a non-empty sequence of ints, got {eos_token_id!r}")
     for i in ids:
         if not 0 <= i < vocab_size:
             raise ValueError(f"eos_token_id must be in [0, {vocab_size}) (the vocabulary), got {i}")
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
-def _check_pad(pad_token_id, vocab_size: int) -> None:
+def _check_pad(pad_token_id, vocab_size: int) -> int | None:
+    """``pad_token_id`` as an int (an int, NumPy integer or 0-d integer tensor), in [0, vocab_size)."""
     if pad_token_id is None:
-        return
-    if isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int):
-        raise TypeError(f"pad_token_id must be an int, got {pad_token_id!r}")
-    if not 0 <= pad_token_id < vocab_size:
-        raise ValueError(f"pad_token_id must be in [0, {vocab_size}), got {pad_token_id}")
+        return None
+    pad = _as_id(pad_token_id)
+    if pad is None:
+        raise TypeError(f"pad_token_id must be an int, got {type(pad_token_id).__name__} {pad_token_id!r}")
+    if not 0 <= pad < vocab_size:
+        raise ValueError(f"pad_token_id must be in [0, {vocab_size}), got {pad}")
+    return pad
 
 
 class _Runner:
@@ -196,10 +224,9 @@ def _decoding(model, idx: Tensor, max_new_tokens: int, options: dict) -> tuple[I
     if options["cache"] not in CACHE_IMPLS:
         raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {options['cache']!r}")
     V = model.config.vocab_size
-    _check_pad(options["pad_token_id"], V)
+    pad = _check_pad(options["pad_token_id"], V)
     mask = _check_idx(model, idx, options["attention_mask"])
     eos = _eos_tensor(options["eos_token_id"], V, idx.device)
-    pad = options["pad_token_id"]
     if pad is None and eos is not None:
         pad = int(eos[0])
     B, T = idx.shape
@@ -233,10 +260,16 @@ def stream(
     """Like :func:`generate` (same arguments), but yield each step's new tokens (B, 1) int64 as
     soon as they exist.
 
-    Stops after ``max_new_tokens`` steps, or once every row has emitted ``eos_token_id``.
+    Stops after ``max_new_tokens`` steps, or once every row has emitted ``eos_token_id``. The
+    arguments are checked when ``stream`` is called, not at the first ``next()``.
     """
     options = dict(locals())
     steps, _, fast = _decoding(model, idx, max_new_tokens, options)
+    return _stream_steps(model, steps, fast)
+
+
+def _stream_steps(model, steps: Iterator[Tensor], fast: bool) -> Iterator[Tensor]:
+    """:func:`stream`'s generator: each step run in inference mode, a copy of its tokens yielded."""
     with _EvalMode(model):
         while True:
             with torch.inference_mode(), row_split(None if fast else 1):
@@ -338,10 +371,12 @@ def beam_search(
     if isinstance(length_penalty, bool) or not isinstance(length_penalty, numbers.Real):
         raise TypeError(f"length_penalty must be a real number, got {type(length_penalty).__name__} {length_penalty!r}")
     lp = float(length_penalty)
+    if not math.isfinite(lp):  # NaN or inf would make every score NaN or 0: no ranking at all
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1 for beam search, got {max_new_tokens!r}")
     mask = _check_idx(model, idx, attention_mask)
-    _check_pad(pad_token_id, model.config.vocab_size)
+    pad_token_id = _check_pad(pad_token_id, model.config.vocab_size)
     device = idx.device
     B, T = idx.shape
     nb = num_beams
@@ -430,25 +465,125 @@ def _print_stream(tokenizer, ids: list[int], printed: str) -> str:
     return text
 
 
+_PROG = "python -m gptlab sample"
+_DEFAULT_MAX_NEW_TOKENS = 500
+
+
+class _UsageError(Exception):
+    """A mistake in ``sample``'s arguments (a bad value, a missing checkpoint, a prompt the
+    tokenizer cannot encode): one line on stderr, exit status 2."""
+
+
+def _option_error(e: Exception) -> _UsageError:
+    """A sampling argument's error, with the argument named as its command-line option
+    (``top_p must be ...`` -> ``--top-p must be ...``)."""
+    msg = str(e)
+    name = msg.split(" ", 1)[0]
+    if name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        msg = "--" + name.replace("_", "-") + msg[len(name):]
+    return _UsageError(msg)
+
+
+def _check_sample_args(args) -> None:
+    """Check every numeric option before anything is loaded; the error names the option."""
+    try:
+        SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       repetition_penalty=args.repetition_penalty)
+    except (TypeError, ValueError) as e:
+        raise _option_error(e) from None
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1),
+                                 ("--num-draft-tokens", args.num_draft_tokens, 1)):
+        if value is not None and value < least:
+            raise _UsageError(f"{option} must be >= {least}, got {value}")
+    if args.draft is not None and args.repetition_penalty is not None:
+        raise _UsageError("--repetition-penalty is not supported with --draft (speculative decoding "
+                          "applies --temperature, --top-k and --top-p only)")
+
+
+def _load(path: str, what: str, device):
+    """``load_model(path)``: a folder that holds no checkpoint is a usage error (exit 2), one that
+    cannot be read a ``RuntimeError`` (exit 1)."""
+    from .checkpoint import CheckpointError, load_model, resolve_checkpoint  # only the command needs it
+
+    try:
+        resolve_checkpoint(path)
+    except CheckpointError as e:
+        raise _UsageError(f"{what}: {e}") from None
+    try:
+        return load_model(path, device=device)
+    except (OSError, ValueError, TypeError) as e:
+        raise RuntimeError(f"{what} {path}: cannot load the checkpoint: {e}") from None
+
+
+def _max_new_tokens(args, models: list[tuple[str, object]], prompt_len: int) -> int:
+    """``--max-new-tokens``, or its default fitted to the models. Speculative decoding needs the
+    prompt and the new tokens within every model's block size: the default is clipped to what they
+    allow (with a note on stderr), an explicit value beyond it is a usage error. Plain sampling
+    crops the context past the block size, so any length works."""
+    n = args.max_new_tokens
+    if args.draft is None:
+        return _DEFAULT_MAX_NEW_TOKENS if n is None else n
+    option, block = min(((o, m.config.block_size) for o, m in models), key=lambda x: x[1])
+    room = block - prompt_len
+    if room < 0:
+        raise _UsageError(f"the prompt is {prompt_len} tokens, longer than the block size {block} of {option}: "
+                          "speculative decoding needs the prompt and the new tokens within it; give a shorter --prompt")
+    if n is None:
+        n = min(_DEFAULT_MAX_NEW_TOKENS, room)
+        if n < _DEFAULT_MAX_NEW_TOKENS:
+            print(f"note: --max-new-tokens {n}, what the block size {block} of {option} leaves after the "
+                  f"{prompt_len}-token prompt (speculative decoding does not crop the context)", file=sys.stderr)
+    elif n > room:
+        raise _UsageError(f"--max-new-tokens {n} is too many for --draft: the block size {block} of {option} "
+                          f"leaves {room} after the {prompt_len}-token prompt")
+    return n
+
+
 def _cli_sample(args) -> int:
-    from .checkpoint import load_model  # only the command needs it (it imports safetensors)
+    """``python -m gptlab sample``: a mistake in the arguments is one line on stderr and exit
+    status 2; a failure afterwards (an unreadable checkpoint, a diverged model) one line and 1."""
+    try:
+        return _sample(args)
+    except _UsageError as e:
+        print(f"{_PROG}: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as e:
+        print(f"{_PROG}: {e}", file=sys.stderr)
+        return 1
+
+
+def _sample(args) -> int:
     from .device import pick_device
 
-    device = args.device if args.device is not None else pick_device()
-    model, tokenizer = load_model(args.ckpt, device=device)
-    model.eval()
+    _check_sample_args(args)
+    try:
+        device = pick_device(args.device)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"--device: {e}") from None
+    model, tokenizer = _load(args.ckpt, "--ckpt", device)
     dev = next(model.parameters()).device
     if tokenizer is None:
-        raise SystemExit(f"{args.ckpt}: checkpoint has no tokenizer, cannot encode a text prompt")
-    prompt = args.prompt if args.prompt is not None else "\n"
-    ids = tokenizer.encode(prompt)
+        raise _UsageError(f"--ckpt {args.ckpt}: the checkpoint has no tokenizer, so a text prompt cannot be encoded")
+    try:
+        ids = tokenizer.encode(args.prompt)
+    except ValueError as e:
+        raise _UsageError(f"--prompt: {e}") from None
     if not ids:
-        raise SystemExit("the prompt encodes to no tokens; give a non-empty --prompt")
+        raise _UsageError("--prompt encodes to no tokens; give a non-empty prompt")
+    models = [("--ckpt", model)]
+    draft = None
+    if args.draft is not None:
+        draft, _ = _load(args.draft, "--draft", dev)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise _UsageError(f"--draft must share the vocabulary of --ckpt: vocab_size {draft.config.vocab_size} "
+                              f"vs {model.config.vocab_size}")
+        models.append(("--draft", draft))
+    max_new_tokens = _max_new_tokens(args, models, len(ids))
     idx = torch.tensor([ids], dtype=torch.long, device=dev)
     gen = torch.Generator(device=dev)
     gen.manual_seed(args.seed)
-    if args.draft is not None:
-        return _cli_speculative(args, model, tokenizer, idx, gen)
+    if draft is not None:
+        return _cli_speculative(args, model, draft, tokenizer, idx, max_new_tokens, gen)
     kwargs = dict(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, generator=gen,
@@ -457,37 +592,32 @@ def _cli_sample(args) -> int:
         if s:
             print("\n" + "-" * 40)
         if args.no_stream:
-            out = generate(model, idx, args.max_new_tokens, **kwargs)
+            out = generate(model, idx, max_new_tokens, **kwargs)
             print(tokenizer.decode(out[0].tolist()))
             continue
         all_ids = list(ids)
         printed = _print_stream(tokenizer, all_ids, "")
-        for tok in stream(model, idx, args.max_new_tokens, **kwargs):
+        for tok in stream(model, idx, max_new_tokens, **kwargs):
             all_ids.append(int(tok[0, 0]))
             printed = _print_stream(tokenizer, all_ids, printed)
         print()
     return 0
 
 
-def _cli_speculative(args, model, tokenizer, idx: Tensor, gen: torch.Generator) -> int:
+def _cli_speculative(args, model, draft, tokenizer, idx: Tensor, max_new_tokens: int, gen: torch.Generator) -> int:
     """``sample --draft``: speculative decoding, each sample printed whole, then its statistics."""
-    from .checkpoint import load_model
     from .speculative import speculative_generate
 
-    if args.repetition_penalty is not None:
-        raise SystemExit("--repetition-penalty is not supported with --draft (speculative decoding "
-                         "applies temperature, top-k and top-p only)")
-    draft, _ = load_model(args.draft, device=idx.device)
     for s in range(args.num_samples):
         if s:
             print("\n" + "-" * 40)
         try:
             out, stats = speculative_generate(
-                model, draft, idx, args.max_new_tokens, num_draft_tokens=args.num_draft_tokens,
+                model, draft, idx, max_new_tokens, num_draft_tokens=args.num_draft_tokens,
                 temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, generator=gen,
             )
         except ValueError as e:
-            raise SystemExit(f"speculative decoding: {e}") from e
+            raise RuntimeError(f"speculative decoding: {e}") from None
         print(tokenizer.decode(out[0].tolist()))
         print(f"[speculative decoding: {stats.acceptance_rate:.0%} of the draft's guesses accepted, "
               f"{stats.tokens_per_target_forward:.2f} tokens per target forward pass]", file=sys.stderr)
@@ -495,26 +625,31 @@ def _cli_speculative(args, model, tokenizer, idx: Tensor, gen: torch.Generator) 
 
 
 def register_cli(subparsers) -> None:
-    """Add ``python -m gptlab sample``."""
+    """Add ``python -m gptlab sample``. Each option's help states its default itself (no
+    ``ArgumentDefaultsHelpFormatter``, which printed ``(default: None)`` beside a default the text
+    already explained, and nothing for options without a help text)."""
     p = subparsers.add_parser(
         "sample",
         help="generate text from a trained checkpoint",
         description="Load a checkpoint (model.safetensors + config.json) and stream generated text.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--ckpt", required=True, help="checkpoint directory written by `gptlab train`")
-    p.add_argument("--prompt", default=None, help="text to continue (default: a newline)")
-    p.add_argument("--max-new-tokens", type=int, default=500)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--repetition-penalty", type=float, default=None)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--ckpt", required=True, help="checkpoint folder written by `python -m gptlab train` (required)")
+    p.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate per sample (default: {_DEFAULT_MAX_NEW_TOKENS}; with --draft, at most "
+                        "what the smaller block size leaves after the prompt)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="> 0; above 1 discourages repeating tokens (default: off)")
+    p.add_argument("--seed", type=int, default=1337, metavar="S", help="random seed (default: %(default)s)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="how many samples (default: %(default)s)")
     p.add_argument("--no-stream", action="store_true", help="print each sample at the end instead of streaming")
-    p.add_argument("--device", default=None, help="cpu, cuda, mps (default: the best available)")
+    p.add_argument("--device", default=None, help="cpu, cuda, mps or auto (default: auto, the best available)")
     p.add_argument("--draft", default=None, metavar="CKPT",
                    help="a smaller checkpoint with the same tokenizer: decode speculatively, the draft "
                         "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="guesses per round with --draft")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
+                   help="guesses per round with --draft (default: %(default)s)")
     p.set_defaults(func=_cli_sample)

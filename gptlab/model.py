@@ -34,6 +34,8 @@ from .layers import MLP, LayerNorm, Linear, RMSNorm, SwiGLU, gelu, layer_norm, n
 from .masks import additive_mask, causal_mask, combine_masks, slot_mask
 from .rope import apply_rope, rope_cache
 
+IGNORE_INDEX = -100  # a target equal to it is left out of the loss (PyTorch's and Hugging Face's value)
+
 __all__ = [
     "GPTConfig",
     "GPT",
@@ -119,7 +121,8 @@ class GPT(nn.Module):
     """A decoder-only transformer language model.
 
     ``model(idx, targets=None) -> (logits, loss)``: idx (B, T) int64 token ids, logits (B, T, V),
-    loss the mean cross-entropy against targets (B, T) (entries equal to -100 are ignored) or None.
+    loss the mean cross-entropy against targets (B, T) (entries equal to -100, ``IGNORE_INDEX``, are
+    ignored; any other id outside the vocabulary is a ValueError naming it) or None.
     """
 
     def __init__(self, config: GPTConfig):
@@ -255,6 +258,27 @@ class GPT(nn.Module):
             if targets.dtype not in (torch.int64, torch.int32):
                 raise TypeError(f"targets must hold integer token ids (torch.long), got dtype {targets.dtype}")
 
+    def _loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of logits (B, T, V) against targets (B, T); entries equal to
+        ``IGNORE_INDEX`` (-100, PyTorch's and Hugging Face's convention) are left out. Any other id
+        outside [0, vocab_size) is named, with its position, in a ValueError (as :meth:`_embed`
+        does for the inputs) instead of torch's bare IndexError or a device-side assert."""
+        flat_logits, flat_targets = logits.view(-1, logits.size(-1)), targets.reshape(-1).long()
+        if targets.device.type == "cpu":  # the CPU loss checks the ids itself: explain only a failure
+            try:
+                return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+            except IndexError:
+                pass
+        V = self.config.vocab_size
+        bad = ((targets != IGNORE_INDEX) & ((targets < 0) | (targets >= V))).nonzero()
+        if len(bad):
+            b, t = (int(i) for i in bad[0])
+            raise ValueError(
+                f"target id {int(targets[b, t])} at targets[{b}, {t}] is outside the vocabulary [0, {V}) "
+                f"and is not the ignore index {IGNORE_INDEX} ({len(bad)} target(s) out of range)"
+            )
+        return F.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+
     def _embed(self, idx: Tensor) -> Tensor:
         """Token embeddings (B, T, C); an id outside [0, vocab_size) is named in a ValueError."""
         V = self.config.vocab_size
@@ -330,8 +354,7 @@ class GPT(nn.Module):
 
         if targets is not None:
             logits = self.lm_head(x)
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1).long(), ignore_index=-100)
-            return logits, loss
+            return logits, self._loss(logits, targets)
         if last_only and T > 1:
             x = x.narrow(1, T - 1, 1)
         return self.lm_head(x), None

@@ -21,6 +21,7 @@ presence penalties), temperature, top-k, top-p, min-p.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -62,9 +63,15 @@ def _check_logits(logits: Tensor, name: str = "logits", exact_2d: bool = False) 
 
 
 def _real(x, name: str) -> float:
+    """``x`` as a float, checked where the argument is given: a real number (not a bool, not a
+    string) and finite (NaN or inf would turn the logits into NaN, which would then look like a
+    broken model at sampling time). The error names the argument and the value."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__} {x!r}")
-    return float(x)
+    v = float(x)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
+    return v
 
 
 def _check_ids(logits: Tensor, input_ids: Tensor, mask: Tensor | None) -> None:

@@ -262,7 +262,7 @@ def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
     check_token_ids(idx, target.config.vocab_size)
     if idx.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one sequence at a time (batch size 1), got batch size {idx.shape[0]}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")

@@ -1,0 +1,169 @@
+"""Ordinary mistakes on the command line are one line on stderr, no traceback, exit status 2
+(issue 22); help texts state each default once; a command without its subcommand prints its own
+usage."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptlab import GPT, GPTConfig
+from gptlab.__main__ import main
+from gptlab.generation import generate
+from gptlab.tokenizers import CharTokenizer
+
+TEXT = "abcdefgh ijklmnop\nqrstuvwxyz"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory) -> dict:
+    """A target (block size 64) and a draft (block size 24) with the same character tokenizer."""
+    from gptlab import checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+    tok = CharTokenizer.from_text(TEXT)
+    torch.manual_seed(0)
+    target = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16)).eval()
+    draft = GPT(GPTConfig(vocab_size=tok.vocab_size, block_size=24, n_layer=1, n_head=2, n_embd=16)).eval()
+    checkpoint.save_checkpoint(root / "t", target, tokenizer=tok)
+    checkpoint.save_checkpoint(root / "d", draft, tokenizer=tok)
+    return {"root": root, "t": str(root / "t"), "d": str(root / "d"), "tok": tok, "target": target}
+
+
+def _run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        rc = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _one_line_error(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{err}"
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--top-p", "0"], r"--top-p must be in (0, 1], got 0.0"),
+        (["--top-p", "nan"], r"--top-p must be a finite number, got nan"),
+        (["--temperature", "-1"], r"--temperature must be >= 0 (0 = greedy), got -1.0"),
+        (["--temperature", "inf"], r"--temperature must be a finite number, got inf"),
+        (["--top-k", "0"], r"--top-k must be >= 1, got 0"),
+        (["--repetition-penalty", "0"], r"--repetition-penalty must be > 0, got 0.0"),
+        (["--max-new-tokens", "-5"], r"--max-new-tokens must be >= 0, got -5"),
+        (["--num-samples", "0"], r"--num-samples must be >= 1, got 0"),
+        (["--prompt", "ABC"], r"--prompt: character 'A' (U+0041) at position 0 is not in the tokenizer's vocabulary"),
+        (["--prompt", ""], r"--prompt encodes to no tokens"),
+        (["--device", "tpu"], r"--device: unknown device 'tpu'; expected one of 'auto', 'cpu'"),
+    ],
+)
+def test_sample_usage_errors_are_one_line_exit_2(ckpts, capsys, extra, message):
+    rc, out, err = _run(["sample", "--ckpt", ckpts["t"], "--device", "cpu", *extra], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("python -m gptlab sample: error: ")
+    assert message in line
+
+
+def test_sample_missing_checkpoint(tmp_path, capsys):
+    rc, _, err = _run(["sample", "--ckpt", str(tmp_path / "nowhere")], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert "--ckpt: no gptlab checkpoint at" in line and "nowhere" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_sample_device_cuda_without_cuda(ckpts, capsys):
+    rc, _, err = _run(["sample", "--ckpt", ckpts["t"], "--device", "cuda"], capsys)
+    assert rc == 2
+    assert "--device: device 'cuda' requested but CUDA is not available here" in _one_line_error(err)
+
+
+def test_sample_unreadable_checkpoint_is_one_line_exit_1(ckpts, tmp_path, capsys):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpts["t"], bad)
+    (bad / "model.safetensors").write_bytes(b"not a safetensors file")
+    rc, _, err = _run(["sample", "--ckpt", str(bad), "--device", "cpu"], capsys)
+    assert rc == 1
+    assert "cannot load the checkpoint" in _one_line_error(err)
+
+
+def test_sample_draft_default_max_new_tokens_fits_the_smaller_block(ckpts, capsys):
+    """The default 500 does not fit the draft's block size 24: it is clipped, with a note, and the
+    output is the target's own greedy continuation of that length."""
+    tok = ckpts["tok"]
+    rc, out, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", ckpts["d"], "--prompt", "abc",
+                         "--temperature", "0", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert "note: --max-new-tokens 21, what the block size 24 of --draft leaves after the 3-token prompt" in err
+    expected = generate(ckpts["target"], torch.tensor([tok.encode("abc")]), 21, temperature=0)
+    assert out.strip() == tok.decode(expected[0].tolist()).strip()
+
+
+def test_sample_draft_explicit_max_new_tokens_too_large(ckpts, capsys):
+    rc, _, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", ckpts["d"], "--prompt", "abc",
+                       "--max-new-tokens", "30", "--device", "cpu"], capsys)
+    assert rc == 2
+    assert "--max-new-tokens 30 is too many for --draft: the block size 24 of --draft leaves 21" in _one_line_error(err)
+
+
+def test_sample_draft_with_another_vocabulary(ckpts, tmp_path, capsys):
+    from gptlab import checkpoint
+
+    other = GPT(GPTConfig(vocab_size=ckpts["tok"].vocab_size + 3, block_size=64, n_layer=1, n_head=2, n_embd=16))
+    checkpoint.save_checkpoint(tmp_path / "o", other)
+    rc, _, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", str(tmp_path / "o"), "--prompt", "abc",
+                       "--max-new-tokens", "5", "--device", "cpu"], capsys)
+    assert rc == 2
+    assert "--draft must share the vocabulary of --ckpt" in _one_line_error(err)
+
+
+def test_sample_plain_default_max_new_tokens_is_500(ckpts, capsys):
+    """Without --draft the context is cropped past the block size: the default 500 tokens work."""
+    rc, out, err = _run(["sample", "--ckpt", ckpts["t"], "--prompt", "abc", "--device", "cpu", "--no-stream"],
+                        capsys)
+    assert rc == 0, err
+    assert len(out.rstrip("\n")) == 3 + 500
+
+
+# --------------------------------------------------------------------------- help texts
+
+
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_sample_help_states_each_default_once(capsys):
+    out = " ".join(_help(["sample", "--help"], capsys).split())
+    assert "(default: None)" not in out
+    assert out.count("(default: a newline)") == 1
+    assert "--max-new-tokens N tokens to generate per sample (default: 500;" in out
+    assert "(default: 0.8)" in out and "(default: 1337)" in out and "(default: 4)" in out
+
+
+def test_bench_alone_prints_the_bench_usage(capsys):
+    assert main(["bench"]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m gptlab bench")
+    for name in ("train", "generate", "speculative", "autograde"):
+        assert name in out
+
+
+def test_sample_errors_from_a_real_process_have_no_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "gptlab", "sample", "--ckpt", str(tmp_path / "nowhere")],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
