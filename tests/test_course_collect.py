@@ -134,3 +134,59 @@ def test_a_flat_file_named_after_the_notebook_is_skipped(course, tmp_path, capsy
     assert sorted(p.name for p in (course / "submitted").iterdir()) == ["ann"]
     assert f"Copy of {NAME}.ipynb: named after the notebook, not a student" in out
     assert "1 submission(s) collected, 2 skipped" in out
+
+
+def test_two_files_giving_one_student_id_are_a_conflict(course, tmp_path, capsys):
+    """``Frank Smith.ipynb`` and ``Frank_Smith.ipynb`` both sanitize to ``Frank_Smith``: neither
+    silently replaces the other; both are named, nothing is collected for that id, the rest is."""
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "Frank Smith.ipynb").write_text(_nb_text("frank-1"))
+    (inbox / "Frank_Smith.ipynb").write_text(_nb_text("frank-2"))
+    (inbox / "ann.ipynb").write_text(_nb_text("ann"))
+    assert main(["course", "collect", str(inbox), "--assignment", NAME, "--course", str(course)]) == 0
+    out = capsys.readouterr().out
+    conflict = "conflict: 'Frank Smith.ipynb', 'Frank_Smith.ipynb' give the same student id 'Frank_Smith'"
+    assert out.count(conflict) == 2, out
+    assert f"skipped {inbox / 'Frank Smith.ipynb'}: {conflict}" in out
+    assert f"skipped {inbox / 'Frank_Smith.ipynb'}: {conflict}" in out
+    assert sorted(p.name for p in (course / "submitted").iterdir()) == ["ann"]
+    assert "1 submission(s) collected, 2 skipped" in out
+
+
+def test_a_file_and_a_folder_of_one_student_are_a_conflict(course, tmp_path):
+    inbox = tmp_path / "inbox"
+    (inbox / "bob").mkdir(parents=True)
+    (inbox / "bob" / f"{NAME}.ipynb").write_text(_nb_text("bob-folder"))
+    (inbox / "bob.ipynb").write_text(_nb_text("bob-file"))
+    got = collect(Course(course), inbox, NAME)
+    assert got.copied == []
+    assert sorted(Path(src).name for src, _ in got.skipped) == ["bob", "bob.ipynb"]
+    assert all("give the same student id 'bob'" in why for _, why in got.skipped)
+
+
+def test_exchange_names_that_sanitize_alike_are_a_conflict_but_resubmissions_are_not(course, tmp_path):
+    inbound = tmp_path / "exchange" / "inbound"
+    for student, stamp in [("ann", "2026-03-01 10:00:00.000000 UTC"), ("ann", "2026-03-02 10:00:00.000000 UTC"),
+                           ("frank smith", "2026-03-01 10:00:00.000000 UTC"),
+                           ("frank_smith", "2026-03-01 11:00:00.000000 UTC")]:
+        d = inbound / f"{student}+{NAME}+{stamp}"
+        d.mkdir(parents=True)
+        (d / f"{NAME}.ipynb").write_text(_nb_text(f"{student} {stamp}"))
+    got = collect(Course(course), tmp_path / "exchange")
+    assert [(sid, Path(src).name) for sid, _, src in got.copied] == [("ann", f"ann+{NAME}+2026-03-02 10:00:00.000000 UTC")]
+    reasons = {Path(src).name: why for src, why in got.skipped}
+    assert reasons[f"ann+{NAME}+2026-03-01 10:00:00.000000 UTC"].startswith("a later submission of ann is collected")
+    frank = [why for name, why in reasons.items() if name.startswith("frank")]
+    assert len(frank) == 2 and all("give the same student id 'frank_smith'" in why for why in frank)
+
+
+def test_a_learner_folder_without_the_notebook_gets_a_note(course, tmp_path):
+    inbox = tmp_path / "inbox"
+    (inbox / "cy" / "work").mkdir(parents=True)
+    (inbox / "cy" / "my_attempt.ipynb").write_text(_nb_text("cy"))
+    (inbox / "cy" / "notes.txt").write_text("hi")
+    got = collect(Course(course), inbox, NAME)
+    assert [sid for sid, _, _ in got.copied] == ["cy"]
+    assert got.messages == [f"cy: no {NAME}.ipynb (nor a copy of it) in the folder, which holds 'my_attempt.ipynb', "
+                            "'notes.txt', 'work/'; it is graded as missing unless renamed and collected again"]

@@ -223,11 +223,20 @@ def _course(args) -> Course:
 
 
 def _find_course() -> Path:
+    """The current folder or its nearest parent holding ``nbgrader_config.py``.
+
+    There is no fallback (it used to be the installed package's checkout, so a command run from
+    anywhere wrote that checkout's gradebook): without one, a :class:`CourseError` says what a
+    course folder is and how to name it.
+    """
     here = Path.cwd().resolve()
     for d in (here, *here.parents):
         if (d / "nbgrader_config.py").is_file():
             return d
-    return Path(__file__).resolve().parents[2]
+    raise CourseError(
+        f"no course folder at {here} or above it: a course folder holds nbgrader_config.py (and solutions/, "
+        "exercises/, the gradebook); run the command inside one, or pass --course DIR"
+    )
 
 
 def _friendly(fn):
@@ -238,6 +247,9 @@ def _friendly(fn):
             return fn(args)
         except (CourseError, ValueError) as e:
             print(f"python -m gptlab course: error: {e}", file=sys.stderr)
+            return 2
+        except (IsADirectoryError, NotADirectoryError) as e:  # a path given where the other kind is needed
+            print(f"python -m gptlab course: error: {e.strerror}: {e.filename}", file=sys.stderr)
             return 2
 
     return run
@@ -297,6 +309,8 @@ def _cmd_feedback(args) -> int:
 def _cmd_grades(args) -> int:
     course = _course(args)
     out = Path(args.output) if args.output else course.root / "grades.csv"
+    if out.is_dir():
+        raise CourseError(f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}")
     header, rows = write_grades(course, out, args.assignments or None)
     print(f"{len(rows)} student(s), {len(header) - 2} column(s) of scores -> {out}")
     return 0
@@ -307,7 +321,7 @@ def register_cli(subparsers) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--course", metavar="DIR", default=None,
                         help="the course folder, holding nbgrader_config.py (default: the current folder "
-                             "or the nearest parent with one)")
+                             "or the nearest parent with one; none found is an error)")
     common.add_argument("--db", metavar="URL_OR_PATH", default=None,
                         help="the gradebook (default: nbgrader_config.py's, gradebook.db in the course)")
     common.add_argument("--quiet", action="store_true", help="no progress bars")

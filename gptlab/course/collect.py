@@ -21,7 +21,13 @@ their own names, with the learner's other files). Of several copies, the last mo
 In a flat folder, a file named after the notebook (or a copy of it) names no student: it is
 skipped.
 
-Student ids are sanitized (letters, digits, ``_ . @ -``; anything else becomes ``_``). Each
+A learner's folder holding neither the notebook nor a copy of it is still collected (the
+autograder marks the notebook missing), with a message naming what the folder holds.
+
+Student ids are sanitized (letters, digits, ``_ . @ -``; anything else becomes ``_``). Two
+submissions that become the same id (``Frank Smith.ipynb`` and ``Frank_Smith.ipynb``; or a file
+and a folder of one name) are a conflict: both are skipped, with a reason naming both, and nothing
+is collected for that id until all but one are renamed or removed. Each
 student's folder is written next to its final place and renamed into it, so a half-copied
 submission is never left behind.
 """
@@ -81,6 +87,9 @@ def _match_notebooks(folder: Path, notebooks: list[str], who: str) -> tuple[dict
     for nb in notebooks:
         copies = [p for p in files if copy_of(p.name, nb)]
         if not copies:
+            if not (folder / f"{nb}.ipynb").is_file():
+                messages.append(f"{who}: no {nb}.ipynb (nor a copy of it) in the folder, which holds "
+                                f"{_listing(folder)}; it is graded as missing unless renamed and collected again")
             continue
         # the last modified copy wins; at equal times, the higher-numbered name
         copies.sort(key=lambda p: (p.stat().st_mtime, [int(d) for d in re.findall(r"\d+", p.name[:-6])]))
@@ -94,6 +103,16 @@ def _match_notebooks(folder: Path, notebooks: list[str], who: str) -> tuple[dict
         renames[chosen.name] = f"{nb}.ipynb"
         messages.append(f"{who}: took {chosen.name!r} as {nb}.ipynb" + (f", ignored {listed}" if listed else ""))
     return renames, messages
+
+
+def _listing(folder: Path, most: int = 6) -> str:
+    """What a folder holds, for a message: ``'a.ipynb', 'work/'`` (at most ``most`` names)."""
+    names = sorted(p.name + ("/" if p.is_dir() else "") for p in folder.iterdir()
+                   if not p.name.startswith(".") and p.name != "timestamp.txt") if folder.is_dir() else []
+    if not names:
+        return "nothing"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(repr(n) for n in names[:most]) + more
 
 
 def _parse_time(text: str) -> datetime | None:
@@ -121,8 +140,8 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
     course_id = cfg.CourseDirectory.get("course_id", "") or ""
     known = course.assignments()
     found = Collected()
-    # (student, assignment) -> (timestamp, source folder or file, how)
-    chosen: dict[tuple[str, str], tuple[datetime, Path, str]] = {}
+    # (student, assignment) -> every submission found for it: (timestamp, source, how, name as given)
+    cands: dict[tuple[str, str], list[tuple[datetime, Path, str, str]]] = {}
 
     inbound = _inbound_folder(src, course_id)
     if inbound is not None:
@@ -149,13 +168,7 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
             except ValueError as e:
                 found.skipped.append((str(entry), str(e)))
                 continue
-            key = (sid, name)
-            if key in chosen and chosen[key][0] >= when:
-                found.skipped.append((str(entry), f"a later submission of {sid} is collected"))
-                continue
-            if key in chosen:
-                found.skipped.append((str(chosen[key][1]), f"a later submission of {sid} is collected"))
-            chosen[key] = (when, entry, "folder")
+            cands.setdefault((sid, name), []).append((when, entry, "folder", student))
     else:
         if not assignment:
             raise CourseError(
@@ -194,12 +207,9 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
                 found.skipped.append((str(entry), str(e)))
                 continue
             when = datetime.fromtimestamp(entry.stat().st_mtime, tz=timezone.utc)
-            if (sid, assignment) in chosen:
-                found.skipped.append((str(entry), f"{sid} has two submissions here; the latest one is collected"))
-                if chosen[(sid, assignment)][0] >= when:
-                    continue
-            chosen[(sid, assignment)] = (when, entry, how)
+            cands.setdefault((sid, assignment), []).append((when, entry, how, entry.name))
 
+    chosen = _choose(cands, found, flat=inbound is None)
     notebooks = {name: _notebook_names(course, name) for name in {a for _, a in chosen}}
     submitted = course.directory("submitted")
     for (sid, name), (when, entry, how) in sorted(chosen.items()):
@@ -234,6 +244,35 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
             if tmp.exists():
                 shutil.rmtree(tmp)
     return found
+
+
+def _choose(cands: dict[tuple[str, str], list[tuple[datetime, Path, str, str]]], found: Collected,
+            flat: bool) -> dict[tuple[str, str], tuple[datetime, Path, str]]:
+    """The one submission to collect for each (student id, assignment): ``{key: (timestamp,
+    source, how)}``; the others go to ``found.skipped`` with the reason.
+
+    Several submissions of one learner in the exchange (the same name, other timestamps): the
+    latest wins. Submissions that only *become* the same id (``Frank Smith.ipynb`` and
+    ``Frank_Smith.ipynb`` in a folder, or two exchange user names that sanitize alike) are a
+    conflict: each is skipped with a reason naming all of them, and nothing is collected for that
+    id until the instructor renames or removes all but one (one learner's work must not silently
+    replace another's).
+    """
+    chosen: dict[tuple[str, str], tuple[datetime, Path, str]] = {}
+    for (sid, name), subs in sorted(cands.items()):
+        given = sorted({s[3] for s in subs})
+        if len(given) > 1 or (flat and len(subs) > 1):
+            both = ", ".join(repr(s[1].name) for s in subs)
+            for s in subs:
+                found.skipped.append((str(s[1]), f"conflict: {both} give the same student id {sid!r}; nothing is "
+                                                 f"collected for {sid} until all but one are renamed or removed"))
+            continue
+        latest = max(subs, key=lambda s: s[0])  # the first of equal timestamps (in name order)
+        for s in subs:
+            if s is not latest:
+                found.skipped.append((str(s[1]), f"a later submission of {sid} is collected: {latest[1].name}"))
+        chosen[(sid, name)] = latest[:3]
+    return chosen
 
 
 def _ignore(folder: str, names: list[str]) -> set[str]:

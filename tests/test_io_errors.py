@@ -1,0 +1,132 @@
+"""Write failures and a missing course folder are one line naming the cause and the fix, no
+traceback (issue 22): a read-only cache or HOME, a full disk while fetching, ``course grades
+--output`` an existing folder, ``course`` run outside a course folder."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from gptlab import assets
+from gptlab.__main__ import main
+from gptlab.assets import Asset, CacheWriteError, fetch
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = b"a small asset for the tests\n"
+
+
+@pytest.fixture
+def seeded(tmp_path, monkeypatch) -> Asset:
+    """A registered asset whose only route is a seed folder (no network needed)."""
+    seed = tmp_path / "seed"
+    seed.mkdir()
+    (seed / "small.txt").write_bytes(DATA)
+    monkeypatch.setenv("GPTLAB_SEED_DIR", str(seed))
+    asset = Asset(name="io-errors-test", filename="io/small.txt", sha256=hashlib.sha256(DATA).hexdigest())
+    monkeypatch.setitem(assets.ASSETS, asset.name, asset)
+    return asset
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_fetch_into_an_unwritable_cache_names_gptlab_cache(seeded, tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("GPTLAB_CACHE", str(blocker / "cache"))  # cannot be created, even by root
+    with pytest.raises(CacheWriteError, match=r"cannot write the cache folder .* set GPTLAB_CACHE to a writable"):
+        fetch(seeded, quiet=True)
+    assert main(["fetch", seeded.name, "-q"]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("python -m gptlab fetch: error: cannot write the cache folder")
+    assert "GPTLAB_CACHE" in line and "--cache-dir" in line
+
+
+def test_fetch_with_an_unwritable_home_names_gptlab_cache(seeded, tmp_path, monkeypatch):
+    home = tmp_path / "home-file"
+    home.write_text("HOME is not a folder here")
+    monkeypatch.delenv("GPTLAB_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(home))
+    with pytest.raises(CacheWriteError, match=r"GPTLAB_CACHE"):
+        fetch(seeded, quiet=True)
+
+
+def test_fetch_into_a_read_only_cache(seeded, tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+    real_access = os.access
+    monkeypatch.setattr(assets.os, "access", lambda p, mode: False if "cache" in str(p) else real_access(p, mode))
+    with pytest.raises(CacheWriteError, match=r"cannot write the cache folder .*Permission denied.*GPTLAB_CACHE"):
+        fetch(seeded, quiet=True)
+
+
+def test_a_full_disk_while_fetching_says_free_space(seeded, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path / "cache"))
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(assets.os, "fsync", full)
+    with pytest.raises(CacheWriteError, match=r"no space left to write .*small.txt.*free some disk space, or set GPTLAB_CACHE"):
+        fetch(seeded, quiet=True)
+    assert not (tmp_path / "cache" / "io" / "small.txt").exists()
+    assert list((tmp_path / "cache" / "io").iterdir()) == []  # no temporary file left behind
+    assert main(["fetch", seeded.name, "-q"]) == 1
+    assert "free some disk space" in _one_line(capsys.readouterr().err)
+
+
+def test_a_full_disk_in_any_command_is_one_line(monkeypatch, capsys):
+    """Any command's save that hits a full disk (here fetch's, replaced) ends in one line."""
+    import gptlab.data
+
+    def save(args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/ckpt/model.safetensors")
+
+    monkeypatch.setattr(gptlab.data, "_fetch_cli", save)
+    assert main(["fetch"]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert "no space left on the device (/runs/x/ckpt/model.safetensors): free some disk space" in line
+
+
+# --------------------------------------------------------------------------- course
+
+
+@pytest.fixture
+def course_dir(tmp_path) -> Path:
+    root = tmp_path / "course"
+    root.mkdir()
+    shutil.copy(REPO / "nbgrader_config.py", root)
+    return root
+
+
+def test_course_outside_a_course_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """No fallback to the installed package's checkout (which wrote its gradebook.db from anywhere)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["course", "grades"]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert "no course folder at" in line and "holds nbgrader_config.py" in line and "--course DIR" in line
+
+
+def test_course_finds_the_course_folder_above_the_current_one(course_dir, monkeypatch, capsys):
+    from gptlab.course import _find_course
+
+    (course_dir / "sub" / "deeper").mkdir(parents=True)
+    monkeypatch.chdir(course_dir / "sub" / "deeper")
+    assert _find_course() == course_dir.resolve()
+
+
+def test_course_grades_output_an_existing_folder(course_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["course", "grades", "--course", str(course_dir), "--output", str(out)]) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}" in line
