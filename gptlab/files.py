@@ -4,7 +4,13 @@ Where this sits: beside the pipeline; every module that writes a file (the data 
 metrics, plots, benchmark results) goes through these. The bytes go to a temporary file in the
 destination folder, which then replaces the destination with :func:`os.replace` (atomic on POSIX
 and Windows). A whole folder (a checkpoint, :mod:`gptlab.checkpoint`) is written the same way by
-:func:`atomic_dir`: into a temporary folder beside it, then swapped in.
+:func:`atomic_dir`: into a temporary folder beside it, then swapped in. That temporary folder's
+name holds its creator's host and process id, so that one left behind by a killed process is
+recognised and removed at the next save (:func:`remove_stale_temps`).
+
+:func:`lock_folder` keeps a folder to one writer at a time (a training run's output folder): a
+lock file created atomically (``O_CREAT | O_EXCL``) holding the owner's pid and host; a lock
+whose process is gone is taken over, one whose process lives refuses with :class:`LockError`.
 """
 
 from __future__ import annotations
@@ -13,7 +19,10 @@ import contextlib
 import json
 import os
 import shutil
+import socket
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -25,6 +34,11 @@ __all__ = [
     "atomic_dir",
     "kept_aside",
     "fsync_path",
+    "remove_stale_temps",
+    "pid_alive",
+    "lock_folder",
+    "FolderLock",
+    "LockError",
 ]
 
 
@@ -105,7 +119,8 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    remove_stale_temps(path)  # left by a process killed during an earlier save
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_temp_prefix(path)}{_host_tag()}-{os.getpid()}-", dir=path.parent))
     try:
         yield tmp
         for folder, subfolders, names in os.walk(tmp):  # mkdtemp's 0700 would otherwise carry over
@@ -125,3 +140,205 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+# --------------------------------------------------------------------------------------------
+# temporary folders left by killed processes
+# --------------------------------------------------------------------------------------------
+
+
+def _host_tag() -> str:
+    """This machine's name as it goes into a temporary folder's name (letters, digits, dots)."""
+    return "".join(c if c.isalnum() or c == "." else "_" for c in socket.gethostname()) or "host"
+
+
+def _temp_prefix(path: Path) -> str:
+    """The name every temporary folder of :func:`atomic_dir` for ``path`` starts with."""
+    return f".{path.name}.tmp-"
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this machine (a zombie counts as running).
+
+    On Windows, where ``os.kill(pid, 0)`` would end the process, every pid counts as running.
+    """
+    if pid <= 0:
+        return False
+    if os.name == "nt":
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _temp_owner(name: str, prefix: str) -> tuple[str, int] | None:
+    """``(host, pid)`` from a temporary folder's name ``<prefix><host>-<pid>-<random>``, or None
+    for a name of another form (the pid-less names older versions wrote)."""
+    parts = name[len(prefix):].rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def remove_stale_temps(path: str | os.PathLike, *, all_but_mine: bool = False) -> list[Path]:
+    """Remove the temporary folders of :func:`atomic_dir` for ``path`` that no running process
+    writes: those created on this machine by a process that is gone (killed during a save).
+
+    ``all_but_mine=True`` also removes those of other live processes and those whose name holds
+    no pid: for a caller that knows nobody else writes ``path`` (a training run holding its
+    folder's lock). Returns the folders removed.
+    """
+    path = Path(path)
+    prefix, me = _temp_prefix(path), (_host_tag(), os.getpid())
+    removed = []
+    if not path.parent.is_dir():
+        return removed
+    for entry in path.parent.iterdir():
+        if not entry.name.startswith(prefix) or not entry.is_dir():
+            continue
+        owner = _temp_owner(entry.name, prefix)
+        if owner == me:
+            continue
+        dead = owner is not None and owner[0] == me[0] and not pid_alive(owner[1])
+        if dead or all_but_mine:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+# --------------------------------------------------------------------------------------------
+# a folder's lock
+# --------------------------------------------------------------------------------------------
+
+
+class LockError(RuntimeError):
+    """A folder is locked by another process that runs (or may run: on another machine)."""
+
+
+STALE_EMPTY_LOCK_S = 10.0  # a lock file still empty or unreadable after this is a creator killed mid-write
+
+
+def _owner_record(purpose: str) -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "purpose": purpose}
+
+
+def _create_exclusive(path: Path, record: dict) -> bool:
+    """Create ``path`` holding ``record`` as JSON if it does not exist (atomically: ``O_EXCL``)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, (json.dumps(record) + "\n").encode("utf-8"))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _read_lock(path: Path) -> tuple[str, dict | None] | None:
+    """``(text, owner record or None if unreadable)``, or None when ``path`` does not exist."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return None
+    try:
+        owner = json.loads(text)
+    except json.JSONDecodeError:
+        return text, None
+    ok = isinstance(owner, dict) and isinstance(owner.get("pid"), int) and isinstance(owner.get("host"), str)
+    return text, owner if ok else None
+
+
+def _is_stale(path: Path, owner: dict | None) -> bool:
+    """Whether a lock's process is certainly gone: on this machine and not running, or a lock file
+    left empty or garbled (its creator killed while writing it) for over ``STALE_EMPTY_LOCK_S``."""
+    if owner is None:
+        try:
+            return time.time() - path.stat().st_mtime > STALE_EMPTY_LOCK_S
+        except FileNotFoundError:
+            return False
+    return owner["host"] == socket.gethostname() and owner["pid"] != os.getpid() and not pid_alive(owner["pid"])
+
+
+def _take_over(path: Path, stale_text: str) -> bool:
+    """Remove the stale lock ``path`` if it still holds ``stale_text``; one process at a time (a
+    second lock file, ``<lock>.takeover``, created with ``O_EXCL``). True if this call removed it."""
+    guard = path.with_name(path.name + ".takeover")
+    if not _create_exclusive(guard, _owner_record("takeover")):
+        seen = _read_lock(guard)
+        if seen is not None and _is_stale(guard, seen[1]):
+            with contextlib.suppress(FileNotFoundError):
+                guard.unlink()
+        return False
+    try:
+        now = _read_lock(path)
+        if now is None or now[0] != stale_text:
+            return False  # gone, or another process's fresh lock: not ours to remove
+        path.unlink()
+        return True
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            guard.unlink()
+
+
+def _describe(owner: dict | None) -> str:
+    if owner is None:
+        return "an unreadable lock"
+    return f"pid {owner['pid']} on {owner['host']}, since {owner.get('since', '?')}"
+
+
+class FolderLock:
+    """A held folder lock (:func:`lock_folder`); :meth:`release` (or leaving a ``with``) removes it."""
+
+    def __init__(self, path: Path, owner: dict):
+        self.path = path
+        self.owner = owner
+
+    def release(self) -> None:
+        """Remove the lock file if it is still this lock's (idempotent)."""
+        seen = _read_lock(self.path)
+        if seen is not None and seen[1] is not None and (seen[1]["pid"], seen[1]["host"]) == (
+                self.owner["pid"], self.owner["host"]):
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    def __enter__(self) -> "FolderLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_folder(folder: str | os.PathLike, name: str = ".gptlab.lock", *, purpose: str = "") -> FolderLock:
+    """Lock ``folder`` (created if missing) for this process: the file ``folder/name``, created
+    atomically with ``O_CREAT | O_EXCL``, holds ``{"pid", "host", "since", "purpose"}``.
+
+    A lock whose process is gone (same machine, pid not running) is taken over with a note on
+    stderr; a lock of a running process, of this same process, or of another machine raises
+    :class:`LockError` naming the owner and the lock file.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    me = _owner_record(purpose)
+    for _ in range(20):
+        if _create_exclusive(path, me):
+            return FolderLock(path, me)
+        seen = _read_lock(path)
+        if seen is None:
+            continue  # released meanwhile: try again
+        text, owner = seen
+        if not _is_stale(path, owner):
+            raise LockError(
+                f"{folder} is in use by another {purpose or 'process'} ({_describe(owner)}); wait for it to end, "
+                f"or, if no such process runs any more, delete {path}")
+        if _take_over(path, text):
+            print(f"note: took over the stale lock {path} ({_describe(owner)}: that process is gone)", file=sys.stderr)
+        time.sleep(0.01)
+    raise LockError(f"could not lock {folder}: its lock file {path} keeps changing")

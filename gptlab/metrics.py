@@ -14,7 +14,8 @@ and benchmarks read them back. Both files are JSON Lines, one object per line:
 
 :class:`TrainLog` keeps the running sums of the current ``train_log.jsonl`` interval and makes its
 row; :func:`append_jsonl` adds a row to either file, :func:`write_metrics` rewrites one.
-:func:`read_metrics` and :func:`read_train_log` read them; :func:`metrics_figure` draws both
+:func:`read_metrics` and :func:`read_train_log` read them (:func:`read_jsonl_torn` also reads a
+file whose last line a crash cut short, for resuming); :func:`metrics_figure` draws both
 (:func:`plot_metrics` writes it as ``loss.png``). Runs older than ``train_log.jsonl`` plot from
 their metrics rows alone.
 """
@@ -30,8 +31,8 @@ import torch
 
 from .files import atomic_path, atomic_write_text
 
-__all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "write_metrics", "metrics_figure",
-           "plot_metrics"]
+__all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "read_jsonl_torn", "write_metrics",
+           "metrics_figure", "plot_metrics"]
 
 
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -44,6 +45,33 @@ def _read_jsonl(path: str | os.PathLike) -> list[dict]:
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}, line {i}: not a JSON object ({e})") from e
     return rows
+
+
+def read_jsonl_torn(path: str | os.PathLike) -> tuple[list[dict], int]:
+    """The rows of a JSON Lines file whose last line may be torn, and the bytes dropped.
+
+    A process killed while appending a row (:func:`append_jsonl`) leaves a partial last line (or,
+    on some file systems, one of NUL bytes): that line, if it is not a JSON object, is dropped and
+    its length in bytes returned. A bad line before the last one still raises ``ValueError``:
+    that is damage, not an interrupted append. Returns ``(rows, dropped_bytes)``.
+    """
+    data = Path(path).read_bytes()
+    lines = data.split(b"\n")
+    rows: list[dict] = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+        except (ValueError, UnicodeDecodeError) as e:
+            if i == last:
+                return rows, len(data) - sum(len(x) + 1 for x in lines[:i])
+            raise ValueError(f"{path}, line {i + 1}: not a JSON object ({e})") from e
+        rows.append(row)
+    return rows, 0
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

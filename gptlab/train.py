@@ -18,6 +18,13 @@ The loop, as in nanoGPT:
   grad_norm_max, clip_frac, tokens, elapsed_s``, see :meth:`Trainer.fit`), ``loss.png`` (both
   curves, :func:`gptlab.metrics.plot_metrics`), and a resumable checkpoint in ``OUT/ckpt``
   (bit-for-bit identical continuation on CPU, logs included);
+* a run folder holds one run, written by one process: training into a folder that holds a run
+  refuses unless ``resume`` (continue it) or ``overwrite`` (replace it; the earlier run is kept
+  aside in ``.<OUT>.overwritten`` beside it until the new run's first checkpoint, and put back if
+  the new run stops before that); ``OUT/.gptlab-train.lock`` (pid and host) refuses a second
+  process; Ctrl-C (SIGINT) or SIGTERM stops at the end of the current step, saves a checkpoint
+  there and raises :class:`TrainingInterrupted` (``python -m gptlab train`` prints where, and the
+  command that resumes, and exits 130 / 143);
 * distillation (``teacher=RUN``): the loss becomes ``(1 - w) CE + w KL(teacher || model)``, which
   trains a small model to predict like a big one (a draft for speculative decoding accepts more of
   its guesses when it does); ``train_loss`` in the metrics is that loss, ``val_loss`` stays the
@@ -47,7 +54,11 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
+import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -56,11 +67,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .checkpoint import load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
+from .checkpoint import CheckpointError, load_checkpoint, load_model, resolve_checkpoint, save_checkpoint
 from .device import autocast_dtype, pick_device
-from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
+from .distributed import all_gather_objects, all_mean, all_sum_, barrier, close_distributed, setup_distributed
 from .evaluation import mean_cross_entropy, val_windows
-from .metrics import TrainLog, append_jsonl, plot_metrics, read_metrics, read_train_log, write_metrics
+from .files import FolderLock, LockError, fsync_path, lock_folder, remove_stale_temps
+from .metrics import (TrainLog, append_jsonl, plot_metrics, read_jsonl_torn, read_metrics, read_train_log,
+                      write_metrics)
 from .model import GPT
 from .progress import progress_bar
 from .rng import rng_state, set_rng_state
@@ -73,6 +86,9 @@ __all__ = [
     "lr_at",
     "train",
     "Trainer",
+    "TrainingInterrupted",
+    "RunFolderError",
+    "LockError",
     "distillation_loss",
     "val_windows",
     "plot_metrics",
@@ -107,6 +123,147 @@ def _load_data(cfg: TrainConfig):
 
 
 # --------------------------------------------------------------------------------------------
+# the run folder: one run, one writer, nothing lost
+# --------------------------------------------------------------------------------------------
+
+RUN_FILES = ("ckpt", ".ckpt.old", "metrics.jsonl", "train_log.jsonl", "loss.png")  # what makes a folder a run
+LOCK_FILE = ".gptlab-train.lock"
+MANIFEST = "overwritten.json"  # in the backup folder: the entries moved there
+
+
+class RunFolderError(ValueError):
+    """A run folder cannot be used as asked (it holds a run, or nothing to resume); one line."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on SIGINT (Ctrl-C) or SIGTERM.
+
+    ``signum``: the signal; ``step``: the step reached; ``checkpoint``: the folder saved at that
+    step (None if nothing was saved); ``exit_code``: 128 + signum, what the command line returns.
+    """
+
+    def __init__(self, message: str, *, signum: int, step: int, checkpoint: Path | None):
+        super().__init__(message)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.exit_code = 128 + int(signum)
+
+
+def run_entries(out_dir: Path) -> list[str]:
+    """The names of the run files (:data:`RUN_FILES`) that ``out_dir`` holds."""
+    return [n for n in RUN_FILES if (out_dir / n).exists()]
+
+
+def has_checkpoint(out_dir: Path) -> bool:
+    """Whether ``out_dir/ckpt`` (or the copy an interrupted swap kept aside) is a checkpoint."""
+    try:
+        resolve_checkpoint(out_dir / "ckpt")
+    except CheckpointError:
+        return False
+    return True
+
+
+def overwrite_backup(out_dir: Path) -> Path:
+    """Where ``overwrite`` keeps the earlier run of ``out_dir``: ``.<name>.overwritten`` beside it."""
+    out_dir = Path(os.path.abspath(out_dir))
+    return out_dir.parent / f".{out_dir.name}.overwritten"
+
+
+def _discard(backup: Path) -> None:
+    """Delete a backup folder: renamed first, so that a crash midway never leaves half a backup
+    that would later be restored."""
+    if not backup.exists():
+        return
+    trash = backup.with_name(backup.name + ".delete")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(backup, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def set_run_aside(out_dir: Path) -> Path | None:
+    """Move ``out_dir``'s run files into :func:`overwrite_backup` (a manifest first, then one
+    rename per entry). Returns the backup folder, or None when there was no run."""
+    names = run_entries(out_dir)
+    if not names:
+        return None
+    backup = overwrite_backup(out_dir)
+    backup.mkdir()
+    (backup / MANIFEST).write_text(json.dumps({"from": str(out_dir), "entries": names}))
+    for n in names:
+        os.replace(out_dir / n, backup / n)
+    return backup
+
+
+def restore_run(out_dir: Path, backup: Path) -> None:
+    """Put the run kept in ``backup`` back into ``out_dir``, replacing what a newer run wrote.
+
+    Idempotent (a crash midway is finished by the next call): run files not in the manifest are
+    the newer run's and go; each entry still in the backup replaces its namesake.
+    """
+    names = json.loads((backup / MANIFEST).read_text())["entries"]
+    for n in RUN_FILES:
+        if n not in names and (out_dir / n).exists():
+            _remove(out_dir / n)
+    for n in names:
+        if (backup / n).exists():
+            if (out_dir / n).is_dir() and (backup / n).is_dir():
+                _discard_dir(out_dir / n)
+            os.replace(backup / n, out_dir / n)
+    _discard(backup)
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        _discard_dir(p)
+    else:
+        p.unlink()
+
+
+def _discard_dir(p: Path) -> None:
+    trash = p.with_name(f".{p.name}.delete")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(p, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def recover_run_folder(out_dir: Path) -> None:
+    """Finish what a killed process left half done in ``out_dir`` (call holding its lock):
+    put back an earlier run that ``overwrite`` had set aside (the new run never saved), and
+    remove half-deleted folders and the temporary files of interrupted writes."""
+    backup = overwrite_backup(out_dir)
+    shutil.rmtree(backup.with_name(backup.name + ".delete"), ignore_errors=True)
+    if (backup / MANIFEST).is_file():
+        restore_run(out_dir, backup)
+        print(f"note: put back the earlier run of {out_dir}, kept aside in {backup} by an --overwrite run "
+              "that stopped before its first checkpoint", file=sys.stderr)
+    elif backup.exists():
+        shutil.rmtree(backup, ignore_errors=True)  # killed before its manifest: nothing was moved
+    for p in out_dir.glob(".*.delete"):
+        shutil.rmtree(p, ignore_errors=True)
+    for n in ("metrics.jsonl", "train_log.jsonl", "loss.png"):  # atomic_path's temporary files
+        for p in out_dir.glob(f".{n}.*.tmp"):
+            p.unlink(missing_ok=True)
+
+
+def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse (:class:`RunFolderError`) what would lose or silently misuse a run in ``out_dir``:
+    a new run over an earlier one without ``overwrite``, or ``resume`` where a run left no
+    checkpoint (it would restart at step 0 and rewrite its logs)."""
+    if resume and overwrite:
+        raise RunFolderError("resume and overwrite exclude each other: continue the run, or replace it")
+    names = run_entries(out_dir)
+    if not names or overwrite:
+        return
+    if not resume:
+        raise RunFolderError(
+            f"{out_dir} already holds a training run ({', '.join(names)}); continue it with --resume "
+            f"(resume=True) or replace it with --overwrite (overwrite=True)")
+    if not has_checkpoint(out_dir):
+        raise RunFolderError(
+            f"cannot resume {out_dir}: it holds {', '.join(names)} but no checkpoint (the run stopped "
+            f"before its first save); start it again with --overwrite (overwrite=True)")
+
+
+# --------------------------------------------------------------------------------------------
 # the trainer
 # --------------------------------------------------------------------------------------------
 
@@ -138,10 +295,17 @@ class Trainer:
     """One training run: model, optimiser, data, loop state. :func:`train` is the short way.
 
     ``Trainer(cfg, out_dir, resume=True)`` continues from ``out_dir/ckpt`` if it exists (model,
-    optimiser, step, RNG states, metrics), so that the continuation is the same run.
+    optimiser, step, RNG states, metrics), so that the continuation is the same run; a folder that
+    holds a run but no checkpoint raises :class:`RunFolderError` (an empty or missing folder starts
+    a new run). Without ``resume``, a folder that holds a run (:data:`RUN_FILES`) raises
+    :class:`RunFolderError` unless ``overwrite=True``, which replaces it: the earlier run waits in
+    :func:`overwrite_backup` until the new run saves its first checkpoint (or ends, with
+    ``save=False``), and is put back if the new run stops before. :meth:`fit` holds the folder's
+    lock (``OUT/.gptlab-train.lock``) while it runs.
     """
 
-    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False,
+                 overwrite: bool = False):
         if not isinstance(cfg, TrainConfig):
             raise TypeError(f"cfg must be a TrainConfig (see RECIPES), got {type(cfg).__name__}")
         self.cfg = cfg
@@ -149,12 +313,30 @@ class Trainer:
         self.ckpt_dir = self.out_dir / "ckpt"
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.log_path = self.out_dir / "train_log.jsonl"
+        self.resume, self.overwrite = resume, overwrite
+        self._claimed = False  # whether fit has made the folder this run's
+        self._backup: Path | None = None  # the earlier run set aside by overwrite, until the first save
+        self._signal: int | None = None  # SIGINT / SIGTERM received during fit
+        self.dropped_bytes = 0  # torn last lines dropped from the logs on resume
         self.dist = setup_distributed(cfg.device)
         try:
+            if self.dist.master:
+                self._check_folder()
             self._setup(cfg, resume)
         except BaseException:
             self.close()
             raise
+
+    def _lock(self) -> FolderLock:
+        """Take the run folder's lock (:func:`gptlab.files.lock_folder`)."""
+        return lock_folder(self.out_dir, LOCK_FILE, purpose="training run")
+
+    def _check_folder(self) -> None:
+        """Before anything is loaded: finish an interrupted overwrite, then refuse what would lose a run."""
+        if (overwrite_backup(self.out_dir) / MANIFEST).is_file():
+            with self._lock():
+                recover_run_folder(self.out_dir)
+        check_run_folder(self.out_dir, resume=self.resume, overwrite=self.overwrite)
 
     def _setup(self, cfg: TrainConfig, resume: bool) -> None:
         if cfg.num_threads is not None:
@@ -271,10 +453,20 @@ class Trainer:
             set_rng_state(state["rng"], None)
             torch.manual_seed(self.cfg.seed + 1 + self.step + self.dist.rank)
             self.generator.manual_seed(self.cfg.seed + self.step + 1_000_003 * (self.dist.rank + 1))
-        if self.metrics_path.exists():
-            self.rows = [r for r in read_metrics(self.metrics_path) if r["step"] <= self.step]
-        if self.log_path.exists():
-            self.log_rows = [r for r in read_train_log(self.log_path) if r["step"] <= self.step]
+        # rows past the checkpoint's step (written after its last save) are dropped: fit rewrites both files
+        self.rows = [r for r in self._read_log(self.metrics_path) if r["step"] <= self.step]
+        self.log_rows = [r for r in self._read_log(self.log_path) if r["step"] <= self.step]
+
+    def _read_log(self, path: Path) -> list[dict]:
+        """A log's rows for resuming; a last line torn by a crash mid-write is dropped with a warning."""
+        if not path.exists():
+            return []
+        rows, dropped = read_jsonl_torn(path)
+        if dropped:
+            self.dropped_bytes += dropped
+            print(f"warning: {path}: dropped its torn last line ({dropped} bytes: a write cut short by a crash); "
+                  f"resuming from the checkpoint at step {self.step}", file=sys.stderr)
+        return rows
 
     def save(self) -> None:
         """Write the checkpoint (every rank must call it under DDP; rank 0 writes)."""
@@ -294,9 +486,44 @@ class Trainer:
                 "config": self.cfg.to_dict(),
                 "metrics": self.rows[-1] if self.rows else None,
             }
+            if self._claimed:  # this run holds the folder's lock: no other process saves here
+                remove_stale_temps(self.ckpt_dir, all_but_mine=True)
+            for log in (self.metrics_path, self.log_path):  # the logs up to this step outlast a crash too
+                if log.exists():
+                    fsync_path(log)
             save_checkpoint(self.ckpt_dir, self.raw_model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                             train_state=state)
+            self._drop_backup()
         barrier(self.dist)
+
+    def _drop_backup(self) -> None:
+        """The new run has its own checkpoint (or has ended): the run it replaced goes for good."""
+        if self._backup is not None:
+            _discard(self._backup)
+            self._backup = None
+
+    def _claim_folder(self) -> None:
+        """Make the locked folder this run's (once per trainer): recheck it, set an earlier run
+        aside with ``overwrite``, clean what killed processes left."""
+        recover_run_folder(self.out_dir)
+        remove_stale_temps(self.ckpt_dir, all_but_mine=True)
+        if self._claimed:
+            return
+        if not self.resume:
+            check_run_folder(self.out_dir, resume=False, overwrite=self.overwrite)
+            self._backup = set_run_aside(self.out_dir) if self.overwrite else None
+        elif has_checkpoint(self.out_dir) and self._saved_step() != self.step:
+            raise RunFolderError(f"{self.out_dir}: its checkpoint changed (now at step {self._saved_step()}) "
+                                 f"since this trainer loaded step {self.step}; create the Trainer again")
+        self._claimed = True
+
+    def _saved_step(self) -> int | None:
+        """The step of the checkpoint in the folder now."""
+        try:
+            state = json.loads((resolve_checkpoint(self.ckpt_dir) / "train_state.json").read_text())
+            return int(state["step"])
+        except (OSError, ValueError, KeyError):
+            return None
 
     # ---- numbers, evaluation and the two logs
 
@@ -435,17 +662,97 @@ class Trainer:
         scaled down to it; None without clipping), ``tokens`` and ``elapsed_s`` (evaluation
         included) at that step. An interrupted run (``until``) keeps its partial sums in the
         checkpoint, so a resumed run writes the same rows as an uninterrupted one.
+
+        While it runs it holds the folder's lock (:class:`LockError` if another process holds it)
+        and answers SIGINT (Ctrl-C) and SIGTERM by finishing the current step, saving a checkpoint
+        there (with ``save``) and raising :class:`TrainingInterrupted`; resuming from it continues
+        exactly as the run would have. A second signal stops at once, saving nothing more. If the
+        run stops before its first checkpoint, the run that ``overwrite`` replaced is put back.
         """
+        if until is not None and (not isinstance(until, int) or until < 1):
+            raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
+        lock = self._lock() if self.dist.master else None
+        try:
+            if self.dist.master:
+                self._claim_folder()
+            with self._signals():
+                return self._fit(until)
+        except BaseException as e:
+            if self._backup is not None:  # stopped before its first checkpoint: the earlier run comes back
+                restore_run(self.out_dir, self._backup)
+                self._backup = None
+                if not isinstance(e, TrainingInterrupted):
+                    print(f"note: this run stopped before its first checkpoint; put back the earlier run of "
+                          f"{self.out_dir}", file=sys.stderr)
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    @contextlib.contextmanager
+    def _signals(self):
+        """While training: SIGINT and SIGTERM ask to stop after the current step (a second one stops
+        at once). Only in the main thread (Python delivers signals there)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        self._signal = None
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._signal is not None:
+                raise TrainingInterrupted(
+                    f"training stopped at once by a second {signal.Signals(signum).name} at step {self.step}; "
+                    f"nothing saved since the last checkpoint", signum=signum, step=self.step, checkpoint=None)
+            self._signal = signum
+
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        before = {s: signal.getsignal(s) for s in sigs}
+        for s in sigs:
+            signal.signal(s, handler)
+        try:
+            yield
+        finally:
+            for s, h in before.items():
+                signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+    def _stop_requested(self) -> bool:
+        """Whether a signal asked to stop (under DDP: any process's, so that all stop at one step)."""
+        flag = self._signal is not None
+        if self.dist.enabled:
+            t = torch.tensor(float(flag), device=self.device)
+            flag = bool(all_sum_(t, self.dist).item() > 0)
+            if flag and self._signal is None:
+                self._signal = int(signal.SIGINT)
+        return flag
+
+    def _stop_for_signal(self, start_step: int) -> None:
+        """Save a checkpoint at this step (unless nothing was trained over a replaced run) and raise
+        :class:`TrainingInterrupted` saying where and how to resume."""
+        signum = int(self._signal or signal.SIGINT)
+        name = signal.Signals(signum).name
+        if self.overwrite and self.step == start_step:
+            raise TrainingInterrupted(
+                f"training stopped by {name} before its first step; nothing saved, and the earlier run of "
+                f"{self.out_dir} (if any) is put back", signum=signum, step=self.step, checkpoint=None)
+        if not self.cfg.save:
+            raise TrainingInterrupted(f"training stopped by {name} at step {self.step}; nothing saved (save=False)",
+                                      signum=signum, step=self.step, checkpoint=None)
+        self.save()
+        raise TrainingInterrupted(
+            f"training stopped by {name} at step {self.step}: checkpoint saved in {self.ckpt_dir}; resume with "
+            f"train(cfg, {str(self.out_dir)!r}, resume=True)", signum=signum, step=self.step, checkpoint=self.ckpt_dir)
+
+    def _fit(self, until: int | None) -> dict:
+        """The loop of :meth:`fit`, in the claimed, locked folder."""
         from .data import get_batch
 
         cfg = self.cfg
-        if until is not None and (not isinstance(until, int) or until < 1):
-            raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
         if self.dist.master:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             write_metrics(self.metrics_path, self.rows)  # drops rows past a resumed step
             write_metrics(self.log_path, self.log_rows)
         barrier(self.dist)
+        start_step = self.step
         self._t0 = time.perf_counter()
         self._eval_s = 0.0
         if self.rows:
@@ -461,8 +768,12 @@ class Trainer:
         if cfg.progress and self.dist.master:
             # a widget in a notebook, plain text with GPTLAB_PROGRESS=text (the book build)
             bar = progress_bar(total=cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
+        interrupted = False
         try:
             while self.step < stop and reached is None:
+                if self._stop_requested():
+                    interrupted = True
+                    break
                 lr = lr_at(self.step, cfg)
                 batches = [get_batch(self.data.train, cfg.batch_size, cfg.block_size, generator=self.generator,
                                      device=self.device) for _ in range(cfg.grad_accum)]
@@ -492,9 +803,13 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        if interrupted:
+            self._stop_for_signal(start_step)
         elapsed = self._elapsed()
         if cfg.save:
             self.save()
+        else:
+            self._drop_backup()
         if self.dist.master and cfg.plot and self.rows:
             plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters",
                          log_rows=self.log_rows, grad_clip=self.cfg.grad_clip)
@@ -535,15 +850,20 @@ class Trainer:
         close_distributed(self.dist)
 
 
-def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, until: int | None = None) -> dict:
+def train(cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False, overwrite: bool = False,
+          until: int | None = None) -> dict:
     """Train a model with ``cfg`` and write ``out_dir/{metrics.jsonl, train_log.jsonl, loss.png, ckpt/}``.
 
-    ``resume=True`` continues from ``out_dir/ckpt`` when it exists. ``until`` stops (and saves)
-    after that step, as if interrupted. Returns a summary dict (final and best val loss, elapsed
-    seconds, tokens, tokens/s, time to ``cfg.target_loss``, ...). Under ``torchrun`` it trains with
-    DistributedDataParallel; only rank 0 writes files.
+    ``resume=True`` continues from ``out_dir/ckpt`` when it exists (a folder holding a run without
+    a checkpoint raises :class:`RunFolderError`). A folder that already holds a run raises
+    :class:`RunFolderError` unless ``resume`` or ``overwrite=True`` (replace it; the earlier run is
+    kept aside until the new one's first checkpoint). ``until`` stops (and saves) after that step,
+    as if interrupted; SIGINT / SIGTERM save and raise :class:`TrainingInterrupted`. Returns a
+    summary dict (final and best val loss, elapsed seconds, tokens, tokens/s, time to
+    ``cfg.target_loss``, ...). Under ``torchrun`` it trains with DistributedDataParallel; only rank
+    0 writes files.
     """
-    trainer = Trainer(cfg, out_dir, resume=resume)
+    trainer = Trainer(cfg, out_dir, resume=resume, overwrite=overwrite)
     try:
         return trainer.fit(until=until)
     finally:
@@ -568,12 +888,45 @@ def _parse_set(items: list[str]) -> dict:
     return out
 
 
+_VALUE_OPTIONS = ("max_steps", "batch_size", "lr", "eval_interval", "log_interval", "seed", "data_dir",
+                  "target_loss", "device", "dtype", "num_threads")
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+    """``--resume`` needs a checkpoint to resume from: refuse rather than start again at step 0."""
+    out = Path(args.out)
+    if args.resume and not (has_checkpoint(out) or has_checkpoint(overwrite_backup(out))):
+        raise RunFolderError(f"cannot resume {out}: it holds no checkpoint ({out / 'ckpt'} is missing); "
+                             f"to start a new run there, leave out --resume")
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The ``python -m gptlab train`` command that continues the run ``args`` describes."""
+    cmd = ["python", "-m", "gptlab", "train", "--recipe", args.recipe, "--out", str(args.out)]
+    for name in _VALUE_OPTIONS:
+        v = getattr(args, name)
+        if v is not None:
+            cmd += ["--" + name.replace("_", "-"), str(v)]
+    for item in args.set or []:
+        cmd += ["--set", item]
+    cmd += ["--compile"] * bool(args.compile) + ["--no-progress"] * bool(args.no_progress) + ["--resume"]
+    return shlex.join(cmd)
+
+
+def _interrupted_line(e: TrainingInterrupted, args: argparse.Namespace) -> str:
+    """The one line the command prints when a signal stopped training."""
+    name = signal.Signals(e.signum).name
+    if e.checkpoint is None:
+        return f"gptlab train: {e}"
+    return (f"gptlab train: stopped by {name} at step {e.step}; checkpoint saved in {e.checkpoint}; "
+            f"resume with: {resume_command(args)}")
+
+
 def _cli(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {}
     try:
         overrides.update(_parse_set(args.set or []))
-        for name in ("max_steps", "batch_size", "lr", "eval_interval", "log_interval", "seed", "data_dir",
-                     "target_loss", "device", "dtype", "num_threads"):
+        for name in _VALUE_OPTIONS:
             v = getattr(args, name)
             if v is not None:
                 overrides[name] = v
@@ -582,7 +935,15 @@ def _cli(args: argparse.Namespace) -> int:
         if args.no_progress:
             overrides["progress"] = False
         cfg = get_recipe(args.recipe, **overrides)
-        summary = train(cfg, args.out, resume=args.resume)
+        _check_resume(args)
+        summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
+    except TrainingInterrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(_interrupted_line(e, args), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before training started (loading, setting up): nothing written yet
+        print("gptlab train: interrupted before training started; nothing was written", file=sys.stderr)
+        return 130
     except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
         print(f"gptlab train: error: {e}", file=sys.stderr)
         return 2
@@ -607,7 +968,9 @@ def register_cli(subparsers) -> None:
         description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
                     "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
                     "gradient norm every --log-interval steps), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
-                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ...",
+                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ... Ctrl-C (or SIGTERM) saves "
+                    "a checkpoint at the current step and prints the command that resumes (exit 130 / 143); one "
+                    "process at a time may train into DIR.",
         epilog="recipes: " + "; ".join(
             f"{k} ({c.n_layer} layers x {c.n_embd}, block {c.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
             for k, c in RECIPES.items()),
@@ -629,7 +992,11 @@ def register_cli(subparsers) -> None:
                         "ones, e.g. T4; fp32 on MPS and CPU)")
     p.add_argument("--num-threads", type=int, help="CPU threads for torch")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--resume", action="store_true", help="continue from DIR/ckpt if it exists")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in DIR from its checkpoint DIR/ckpt (an error if there is none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run DIR holds (without it, or --resume, a DIR holding a run is refused); the "
+                        "earlier run is kept aside until the new run saves its first checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override any TrainConfig field (JSON value), e.g. --set dropout=0.1; repeatable")

@@ -3,8 +3,11 @@ Tiny Shakespeare, exact resume, the command line and its errors. Device selectio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -12,7 +15,8 @@ import torch
 from gptlab.__main__ import main
 from gptlab.checkpoint import load_model
 from gptlab.device import pick_device
-from gptlab.train import RECIPES, Trainer, TrainConfig, get_recipe, lr_at, read_metrics, train, val_windows
+from gptlab.train import (RECIPES, Trainer, TrainConfig, TrainingInterrupted, get_recipe, lr_at, read_metrics, train,
+                          val_windows)
 
 QUIET = dict(progress=False, num_threads=1)  # tiny models: one thread, no oversubscription
 
@@ -138,6 +142,24 @@ def test_target_loss_stops_early(tmp_path):
     assert summary["step_at_target"] == summary["step"] and summary["time_to_target_s"] > 0
 
 
+@contextlib.contextmanager
+def _signal_after_step(step: int, signum: int):
+    """Send ``signum`` to this process right after optimiser step ``step``, as Ctrl-C would."""
+    original = Trainer.optimizer_step
+
+    def step_then_signal(self, lr):
+        norm = original(self, lr)
+        if self.step + 1 == step:
+            os.kill(os.getpid(), signum)
+        return norm
+
+    Trainer.optimizer_step = step_then_signal
+    try:
+        yield
+    finally:
+        Trainer.optimizer_step = original
+
+
 def test_resume_is_bit_exact(tmp_path):
     cfg = small(max_steps=30, eval_interval=10, dropout=0.1, plot=False)  # dropout: the torch RNG matters
     train(cfg, tmp_path / "a")
@@ -152,6 +174,21 @@ def test_resume_is_bit_exact(tmp_path):
     ma, mb = load_model(tmp_path / "a")[0], load_model(tmp_path / "b")[0]
     for (n, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
         assert torch.equal(pa, pb), n
+    # Ctrl-C (SIGINT) or SIGTERM with the default settings (no checkpoint_interval): a checkpoint
+    # at the step reached, and resuming from it is the same run, bit for bit
+    assert cfg.checkpoint_interval is None
+    for signum, name in ((signal.SIGINT, "d"), (signal.SIGTERM, "e")):
+        with _signal_after_step(17, signum), pytest.raises(TrainingInterrupted) as e:
+            train(cfg, tmp_path / name)
+        assert (e.value.step, e.value.checkpoint, e.value.exit_code) == (17, tmp_path / name / "ckpt", 128 + signum)
+        assert "resume=True" in str(e.value)
+        train(cfg, tmp_path / name, resume=True)
+        rd = read_metrics(tmp_path / name / "metrics.jsonl")
+        assert [(r["step"], r["train_loss"], r["val_loss"]) for r in rd] == [
+            (r["step"], r["train_loss"], r["val_loss"]) for r in ra]
+        md = load_model(tmp_path / name)[0]
+        for (n, pa), pd in zip(ma.state_dict().items(), md.state_dict().values()):
+            assert torch.equal(pa, pd), n
     # without restoring the RNG states the continuation differs (so the check above can fail)
     train(cfg, tmp_path / "c", until=17)
     state_file = tmp_path / "c" / "ckpt" / "train_state.json"
