@@ -167,3 +167,16 @@ def test_sample_errors_from_a_real_process_have_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["sample"], ["bench", "train"], ["bench", "generate"], ["bench", "speculative"],
+                                  ["bench", "autograde"]])
+def test_help_states_a_default_at_most_once_per_option(argv, capsys):
+    """No ``(default: None)``, and no option whose help names its default twice."""
+    import re
+
+    out = _help([*argv, "--help"], capsys)
+    assert "(default: None)" not in out
+    options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
+    for text in options:
+        assert " ".join(text.split()).count("(default") <= 1, text

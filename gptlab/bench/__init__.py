@@ -41,6 +41,20 @@ def machine_name() -> str:
     return desc
 
 
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to an option's help once: not where the help already states its
+    default (``ArgumentDefaultsHelpFormatter`` printed ``(default: see above) (default: None)``),
+    and not for a default that says nothing (None, False, an empty string)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == ""
+                or default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def register_cli(subparsers) -> None:
     p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative, autograde)")
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
@@ -50,6 +64,6 @@ def register_cli(subparsers) -> None:
         except ImportError as e:  # a broken benchmark is an error, never a silently missing command
             raise ImportError(f"python -m gptlab bench {name}: its module {module} failed to import: {e}") from e
         bp = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0] if mod.__doc__ else None,
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=_DefaultsFormatter)
         mod.add_arguments(bp)
         bp.set_defaults(func=mod.run)
