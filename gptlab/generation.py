@@ -539,6 +539,22 @@ def _max_new_tokens(args, models: list[tuple[str, object]], prompt_len: int) -> 
     return n
 
 
+def _prompt_ids(prompt: str | None, tokenizer) -> list[int]:
+    """The prompt's token ids. ``None`` (no ``--prompt``) is a newline, or token 0 with a note when
+    the vocabulary has no newline (a default must work for any checkpoint)."""
+    if prompt is None:
+        try:
+            return tokenizer.encode("\n")
+        except ValueError:
+            print(f"note: the vocabulary has no newline; starting from token 0, {tokenizer.decode([0])!r}",
+                  file=sys.stderr)
+            return [0]
+    try:
+        return tokenizer.encode(prompt)
+    except ValueError as e:
+        raise _UsageError(f"--prompt: {e}") from None
+
+
 def _cli_sample(args) -> int:
     """``python -m gptlab sample``: a mistake in the arguments is one line on stderr and exit
     status 2; a failure afterwards (an unreadable checkpoint, a diverged model) one line and 1."""
@@ -564,10 +580,7 @@ def _sample(args) -> int:
     dev = next(model.parameters()).device
     if tokenizer is None:
         raise _UsageError(f"--ckpt {args.ckpt}: the checkpoint has no tokenizer, so a text prompt cannot be encoded")
-    try:
-        ids = tokenizer.encode(args.prompt)
-    except ValueError as e:
-        raise _UsageError(f"--prompt: {e}") from None
+    ids = _prompt_ids(args.prompt, tokenizer)
     if not ids:
         raise _UsageError("--prompt encodes to no tokens; give a non-empty prompt")
     models = [("--ckpt", model)]
@@ -634,7 +647,8 @@ def register_cli(subparsers) -> None:
         description="Load a checkpoint (model.safetensors + config.json) and stream generated text.",
     )
     p.add_argument("--ckpt", required=True, help="checkpoint folder written by `python -m gptlab train` (required)")
-    p.add_argument("--prompt", default="\n", metavar="TEXT", help="text to continue (default: a newline)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="text to continue (default: a newline, or token 0 if the vocabulary has none)")
     p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
                    help=f"tokens to generate per sample (default: {_DEFAULT_MAX_NEW_TOKENS}; with --draft, at most "
                         "what the smaller block size leaves after the prompt)")

@@ -128,6 +128,18 @@ def test_sample_draft_with_another_vocabulary(ckpts, tmp_path, capsys):
     assert "--draft must share the vocabulary of --ckpt" in _one_line_error(err)
 
 
+def test_sample_default_prompt_works_without_a_newline_in_the_vocabulary(tmp_path, capsys):
+    from gptlab import checkpoint
+
+    tok = CharTokenizer.from_text("abc")
+    checkpoint.save_checkpoint(tmp_path / "c", GPT(GPTConfig(vocab_size=3, block_size=8, n_layer=1, n_head=2,
+                                                             n_embd=16)), tokenizer=tok)
+    rc, out, err = _run(["sample", "--ckpt", str(tmp_path / "c"), "--max-new-tokens", "4", "--device", "cpu"], capsys)
+    assert rc == 0, err
+    assert "note: the vocabulary has no newline; starting from token 0, 'a'" in err
+    assert len(out.strip()) == 5
+
+
 def test_sample_plain_default_max_new_tokens_is_500(ckpts, capsys):
     """Without --draft the context is cropped past the block size: the default 500 tokens work."""
     rc, out, err = _run(["sample", "--ckpt", ckpts["t"], "--prompt", "abc", "--device", "cpu", "--no-stream"],
@@ -149,7 +161,7 @@ def _help(argv: list[str], capsys) -> str:
 def test_sample_help_states_each_default_once(capsys):
     out = " ".join(_help(["sample", "--help"], capsys).split())
     assert "(default: None)" not in out
-    assert out.count("(default: a newline)") == 1
+    assert out.count("(default: a newline, or token 0 if the vocabulary has none)") == 1
     assert "--max-new-tokens N tokens to generate per sample (default: 500;" in out
     assert "(default: 0.8)" in out and "(default: 1337)" in out and "(default: 4)" in out
 
