@@ -30,12 +30,13 @@ ifneq ($(wildcard ../shared/data),)
 export GPTLAB_SEED_DIR ?= $(abspath ../shared/data)
 endif
 
-.PHONY: help setup chromium data book test test-fast exercises clean
+.PHONY: help setup chromium data book test test-fast test-cpu-paths exercises clean
 
 help:
 	@echo "make book       set up .venv, fetch the data, build the book into _build/html"
 	@echo "make test       set up .venv, fetch the data, run the whole test suite"
 	@echo "make test-fast  the same without the tests marked slow"
+	@echo "make test-cpu-paths  the book's outputs and the grading checks under every MKL_CBWR / ATEN_CPU_CAPABILITY"
 	@echo "make exercises  regenerate exercises/ from solutions/ (python -m gptlab course release)"
 	@echo "make clean      remove the built book and the set-up stamp"
 
@@ -82,7 +83,9 @@ book: $(STAMP) data
 # rest, alone on the machine: beside another pytest worker, a chapter's training on 2 threads runs
 # several times slower (chapter 5 took 10 minutes instead of 1.5). Exit status 5 (nothing
 # selected, e.g. with PYTEST_ARGS='-m "not slow"') is not a failure.
-BOOK_TESTS := tests/test_book.py tests/test_browser.py
+# tests/test_book_cpu_paths.py runs the chapters again on another CPU's code paths (MKL_CBWR,
+# ATEN_CPU_CAPABILITY; by default MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default).
+BOOK_TESTS := tests/test_book.py tests/test_browser.py tests/test_book_cpu_paths.py
 
 test: $(STAMP) data chromium
 	@echo "==> running the test suite (the book's tests last, on their own)"
@@ -91,6 +94,18 @@ test: $(STAMP) data chromium
 
 test-fast: $(STAMP) data
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
+
+# Every CPU code path this machine can run, one at a time (README, "Tests"): the chapters' stored
+# outputs and every grading check under each MKL_CBWR and each supported ATEN_CPU_CAPABILITY.
+CPU_PATHS ?= MKL_CBWR=COMPATIBLE MKL_CBWR=AVX2 MKL_CBWR=AVX512 ATEN_CPU_CAPABILITY=default ATEN_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx512
+GRADING_TESTS := tests/test_grading*.py tests/test_mutations.py tests/test_trusted_grading.py
+
+test-cpu-paths: $(STAMP) data
+	for setting in $(CPU_PATHS); do \
+	  echo "==> $$setting: the book's outputs, then the grading checks"; \
+	  GPTLAB_CPU_PATHS="$$setting" $(PY) -m pytest -q tests/test_book_cpu_paths.py $(PYTEST_ARGS); \
+	  env $$setting $(PY) -m pytest -q -n $(WORKERS) --dist loadfile $(GRADING_TESTS) $(PYTEST_ARGS); \
+	done
 
 # nbgrader generate_assignment for every assignment (the gradebook, gradebook.db, is not committed).
 exercises: $(STAMP)

@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from _book_build import BOOK_ENV, REPO, BookBuild, build_book_once
+from _nbcompare import comparable, ignored
 from _offline import WIDGET_STATE, WIDGET_VIEW, foreign_resources, widget_problems
 from gptlab.notebook_setup import has_setup_cell, render_setup_source
 
@@ -274,41 +275,6 @@ def test_notebook_page_offers_download_and_colab(book: BookBuild, notebook: Path
 # nbval-style check of the build's one execution
 
 
-def _ignored(cell: dict) -> bool:
-    src = "".join(cell.get("source", ""))
-    tags = cell.get("metadata", {}).get("tags", [])
-    return "nbval-ignore-output" in tags or "nbval-skip" in tags or "# NBVAL_IGNORE_OUTPUT" in src or "# NBVAL_SKIP" in src
-
-
-_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
-
-
-def _sanitize(text: str) -> str:
-    """A repr's memory address (``<... at 0x7f3a...>``) differs on every run: not an output."""
-    return _ADDRESS.sub("at 0x...", text)
-
-
-def _comparable(outputs: list[dict]) -> list[tuple]:
-    """Outputs as nbval compares them: streams merged per name, rich outputs by their text,
-    memory addresses in reprs masked (what nbval's usual sanitize file does)."""
-    result: list[tuple] = []
-    for out in outputs:
-        kind = out["output_type"]
-        if kind == "stream":
-            text = _sanitize("".join(out["text"]))
-            if result and result[-1][:2] == ("stream", out["name"]):
-                result[-1] = ("stream", out["name"], result[-1][2] + text)
-            else:
-                result.append(("stream", out["name"], text))
-        elif kind in ("execute_result", "display_data"):
-            data = out.get("data", {})
-            # images may differ in their bytes between library versions: compare their presence
-            result.append((kind, _sanitize("".join(data.get("text/plain", ""))), tuple(sorted(data))))
-        else:
-            result.append((kind, out.get("ename"), out.get("evalue")))
-    return result
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("notebook", BOOK_NOTEBOOKS, ids=[_rel(p) for p in BOOK_NOTEBOOKS])
 def test_notebook_outputs_match_the_build(book: BookBuild, notebook: Path):
@@ -333,9 +299,9 @@ def test_notebook_outputs_match_the_build(book: BookBuild, notebook: Path):
         where = f"{rel}, code cell {i} (id {cell['id']!r})"
         errors = [o for o in ran["outputs"] if o["output_type"] == "error"]
         assert not errors, f"{where} raised {errors[0].get('ename')}: {errors[0].get('evalue')}"
-        if _ignored(cell):
+        if ignored(cell):
             continue
-        want, got = _comparable(cell["outputs"]), _comparable(ran["outputs"])
+        want, got = comparable(cell["outputs"]), comparable(ran["outputs"])
         assert got == want, (
             f"{where}: the output of the build's execution differs from the output stored in the notebook.\n"
             f"stored:   {want}\nexecuted: {got}\n"
