@@ -716,9 +716,12 @@ class Trainer:
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     def _stop_requested(self) -> bool:
-        """Whether a signal asked to stop (under DDP: any process's, so that all stop at one step)."""
+        """Whether a signal asked to stop. Under DDP: any process's, so that all stop at the same
+        step, asked every ``log_interval`` steps only (the exchange waits for the GPU)."""
         flag = self._signal is not None
         if self.dist.enabled:
+            if self.step % self.cfg.log_interval:
+                return False
             t = torch.tensor(float(flag), device=self.device)
             flag = bool(all_sum_(t, self.dist).item() > 0)
             if flag and self._signal is None:
