@@ -320,3 +320,70 @@ def test_temporary_folders_of_killed_saves_are_removed_at_the_next_save(tmp_path
     train(small(), out, resume=True)
     left = sorted(p.name for p in out.iterdir() if not p.name.startswith(".other."))
     assert left == ["ckpt", "metrics.jsonl", "other", "train_log.jsonl"], left
+
+
+# ------------------------------------------------------------------------------------ DDP
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank: int, world: int, port: int, out: str, results: str, signal_step: int, resume: bool) -> None:
+    """One of ``world`` gloo processes: train (rank 1 alone gets SIGINT after ``signal_step``)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    from gptlab.train import Trainer as T
+    from gptlab.train import TrainingInterrupted as Interrupted
+
+    if rank == 1 and signal_step:
+        original = T.optimizer_step
+
+        def step_then_signal(self, lr):
+            norm = original(self, lr)
+            if self.step + 1 == signal_step:
+                os.kill(os.getpid(), signal.SIGINT)
+            return norm
+
+        T.optimizer_step = step_then_signal
+    t = T(small(max_steps=20, eval_interval=10, log_interval=4, device="cpu", dropout=0.1), out, resume=resume)
+    try:
+        try:
+            t.fit()
+            outcome = {"step": t.step, "interrupted": False}
+        except Interrupted as e:
+            outcome = {"step": e.step, "interrupted": True, "saved": str(e.checkpoint)}
+        with open(os.path.join(results, f"rank{rank}.json"), "w") as f:
+            json.dump(outcome, f)
+    finally:
+        t.close()
+
+
+@pytest.mark.slow  # three pairs of spawned processes: about 35 s on 2 cores
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_a_signal_to_one_ddp_process_stops_all_at_one_step(tmp_path):
+    """Under DDP the processes agree (every log_interval steps) to stop: all at the same step, one
+    checkpoint, and the resumed run ends where an uninterrupted one does."""
+    import torch.multiprocessing as mp
+
+    def run(out: Path, signal_step: int, resume: bool) -> list[dict]:
+        results = tmp_path / f"results-{out.name}-{int(resume)}"
+        results.mkdir()
+        mp.spawn(_ddp_worker, args=(2, _free_port(), str(out), str(results), signal_step, resume), nprocs=2,
+                 join=True)
+        return [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
+
+    first = run(tmp_path / "b", 5, False)
+    assert [o["step"] for o in first] == [8, 8] and all(o["interrupted"] for o in first)  # the next multiple of 4
+    assert json.loads((tmp_path / "b" / "ckpt" / "train_state.json").read_text())["step"] == 8
+    assert [o["step"] for o in run(tmp_path / "b", 0, True)] == [20, 20]
+    run(tmp_path / "a", 0, False)
+    from gptlab.checkpoint import load_model
+
+    ma, mb = load_model(tmp_path / "a")[0], load_model(tmp_path / "b")[0]
+    for (n, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):
+        assert torch.equal(pa, pb), n
+    assert read_metrics(tmp_path / "a" / "metrics.jsonl")[-1]["val_loss"] == read_metrics(
+        tmp_path / "b" / "metrics.jsonl")[-1]["val_loss"]
