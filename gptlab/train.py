@@ -71,7 +71,7 @@ from .checkpoint import CheckpointError, load_checkpoint, load_model, resolve_ch
 from .device import autocast_dtype, pick_device
 from .distributed import all_gather_objects, all_mean, all_sum_, barrier, close_distributed, setup_distributed
 from .evaluation import mean_cross_entropy, val_windows
-from .files import FolderLock, LockError, fsync_path, lock_folder, remove_stale_temps
+from .files import FolderLock, LockError, atomic_write_json, fsync_path, lock_folder, remove_stale_temps
 from .metrics import (TrainLog, append_jsonl, plot_metrics, read_jsonl_torn, read_metrics, read_train_log,
                       write_metrics)
 from .model import GPT
@@ -187,7 +187,7 @@ def set_run_aside(out_dir: Path) -> Path | None:
         return None
     backup = overwrite_backup(out_dir)
     backup.mkdir()
-    (backup / MANIFEST).write_text(json.dumps({"from": str(out_dir), "entries": names}))
+    atomic_write_json(backup / MANIFEST, {"from": str(out_dir), "entries": names})  # whole, or absent
     for n in names:
         os.replace(out_dir / n, backup / n)
     return backup
@@ -673,9 +673,9 @@ class Trainer:
             raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
         lock = self._lock() if self.dist.master else None
         try:
-            if self.dist.master:
-                self._claim_folder()
-            with self._signals():
+            with self._signals():  # from here a signal never cuts a file operation short
+                if self.dist.master:
+                    self._claim_folder()
                 return self._fit(until)
         except BaseException as e:
             if self._backup is not None:  # stopped before its first checkpoint: the earlier run comes back
