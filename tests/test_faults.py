@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,11 +191,12 @@ def check_same_run(out: Path, reference: Path) -> None:
 # ------------------------------------------------------------------------------------ kill -9
 
 
-@pytest.mark.parametrize("case", range(3))
+@pytest.mark.parametrize("case", range(4))
 def test_kill_9_during_training(tmp_path, reference, capsys, case):
+    """Case 0 dies before the first checkpoint (recovered with --overwrite), the others anywhere."""
     rng = rng_for(f"kill-train-{case}")
     out = tmp_path / "run"
-    step = rng.randrange(10, STEPS - 10)
+    step = rng.randrange(2, CKPT_EVERY - 5) if case == 0 else rng.randrange(10, STEPS - 10)
     proc = spawn(out)
     wait_for_step(proc, out, step)
     time.sleep(rng.uniform(0, 0.05))  # anywhere in the steps after it, evaluations and saves included
@@ -228,6 +230,27 @@ def test_signal_in_the_middle_of_a_save(tmp_path, reference, capsys, case, signu
         assert saved == save_no * CKPT_EVERY, (saved, save_no)  # stopped before the next step
     assert load_model(out)  # the checkpoint loads: the previous one, or the new one, never half of one
     COUNTS[f"recovery: {recover(out, capsys)}"] += 1
+    check_same_run(out, reference)
+
+
+def test_kill_9_during_an_overwrite(tmp_path, reference, capsys):
+    """An --overwrite run killed before its first checkpoint: the run it was replacing comes back."""
+    rng = rng_for("kill-overwrite")
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    proc = spawn(out, "--overwrite", "--seed", "7", "--set", "checkpoint_interval=null")
+    t0 = time.monotonic()
+    while not (overwrite_backup(out) / "overwritten.json").is_file():  # the new run has begun
+        assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()
+        time.sleep(0.005)
+    wait_for_step(proc, out, rng.randrange(5, STEPS - 10))
+    proc.kill()
+    proc.communicate()
+    COUNTS["faults injected"] += 1
+    COUNTS["kill -9 during an --overwrite"] += 1
+    assert (overwrite_backup(out) / "overwritten.json").is_file()  # the earlier run, kept aside
+    assert not (out / "ckpt").exists()
+    COUNTS[f"recovery: {recover(out, capsys)}"] += 1  # puts it back, then resumes it (already complete)
     check_same_run(out, reference)
 
 
