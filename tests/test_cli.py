@@ -83,3 +83,13 @@ def test_bench_help_lists_every_benchmark(capsys):
     out = capsys.readouterr().out
     for name in bench._BENCHMARKS:
         assert name in out
+
+
+def test_bench_train_into_a_run_folder_is_one_line(tmp_path, capsys):
+    """`bench train --out DIR` where DIR holds a run: refused in one line (exit 2), the run kept."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    code = main(["bench", "train", "--recipe", "tiny", "--max-steps", "2", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "already holds a training run" in out + err and "Traceback" not in out + err
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'

@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import get_recipe, train
+    from ..files import LockError
+    from ..train import RunFolderError, get_recipe, train
 
     target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
     overrides: dict = {"target_loss": target, "progress": bool(args.progress), "plot": False}
@@ -107,7 +108,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
         t0 = time.perf_counter()
-        summary = train(cfg, out)
+        try:
+            summary = train(cfg, out)
+        except (RunFolderError, LockError) as e:  # --out names a folder that holds a run, or a live one
+            print(f"gptlab bench train: error: {e}")
+            return 2
         wall = time.perf_counter() - t0
     device = torch.device(summary["device"])
     peak, peak_src = peak_flops(device, args.peak_tflops)
