@@ -14,7 +14,10 @@ evaluation left in train mode reports 0.035 to 0.055 more than the model's eval-
 
 from __future__ import annotations
 
+import ast
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,14 +79,14 @@ def test_gpt_returning_a_tuple_is_explained():
             cfg = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                             n_embd=n_embd, dropout=dropout, bias=True)
             self.block_size = block_size
-            self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
-            self.h = nn.ModuleList([Block(cfg, i) for i in range(n_layer)])
-            self.ln_f = _norm(cfg)
+            self.transformer = nn.ModuleDict(dict(
+                wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, n_embd),
+                h=nn.ModuleList([Block(cfg, i) for i in range(n_layer)]), ln_f=_norm(cfg)))
             self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
-            self.lm_head.weight = self.wte.weight
+            self.lm_head.weight = self.transformer.wte.weight
 
         def forward(self, idx):
-            return self.wte(idx), None
+            return self.transformer.wte(idx), None
 
     with pytest.raises(ExerciseError, match="Block|not a tuple"):
         gt.check_GPT(Wrapped)
@@ -106,3 +109,53 @@ def test_train_not_written_and_wrong_history():
 
     with pytest.raises(ExerciseError, match="forget the return statement"):
         gt.check_train(no_return, Tiny)
+
+
+# ---------------------------------------------------------------------------------------------
+# chapter 5 builds what this assignment grades
+
+CHAPTER = Path(__file__).resolve().parent.parent / "book" / "05_gpt2_mini.ipynb"
+CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPTByHand", "lr_at", "evaluate", "train")
+
+
+def _chapter_definitions() -> dict:
+    """The chapter's own definitions (CHAPTER_DEFS), executed from the notebook's code cells:
+    every cell's imports, then the classes and functions named, each exactly as the chapter writes
+    it (the cells' other statements, which need the chapter's data, are left out)."""
+    cells = [c for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    imports, defs = [], {}
+    for cell in cells:
+        src = "".join(cell["source"])
+        if src.lstrip().startswith(("%", "!")):
+            continue
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                imports.append(node)
+            elif isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name in CHAPTER_DEFS:
+                defs[node.name] = node
+    missing = [n for n in CHAPTER_DEFS if n not in defs]
+    assert not missing, f"chapter 5 no longer defines {missing}"
+    namespace: dict = {}
+    module = ast.Module(body=imports + [defs[n] for n in CHAPTER_DEFS], type_ignores=[])
+    exec(compile(module, str(CHAPTER), "exec"), namespace)  # noqa: S102 - the repository's own chapter
+    return namespace
+
+
+def test_chapter_5_model_passes_check_GPT():
+    """A learner who copies chapter 5's GPTByHand (and the Block it uses) passes task 1."""
+    ns = _chapter_definitions()
+    gt.check_GPT(ns["GPTByHand"])
+    gt.check_GPT(ns["GPTByHand"], seed=1)
+    model = ns["GPTByHand"](vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    from gptlab.model import GPT, GPTConfig
+
+    ref = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=True))
+    assert set(model.state_dict()) == set(ref.state_dict())  # GPT-2's names, as gptlab's GPT
+
+
+@pytest.mark.slow
+def test_chapter_5_training_loop_passes_check_train():
+    """Chapter 5's train loop, with its GPTByHand, passes task 4 (the graded 300-step run)."""
+    ns = _chapter_definitions()
+    result = gt.check_train(ns["train"], ns["GPTByHand"])
+    assert result["val_loss"] < gt.THRESHOLD

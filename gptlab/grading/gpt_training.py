@@ -3,11 +3,13 @@
 Where this sits: beside the pipeline (text -> tokens -> batches -> *model* -> logits -> *loss* ->
 gradients -> update); each task is one piece of a trained GPT, compared with gptlab's own:
 
-* ``GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0)``, GPT-2's names (``wte``,
-  ``wpe``, ``h``, ``ln_f``, ``lm_head`` tied to ``wte``), ``forward(idx (B, T)) -> logits (B, T, V)``:
-  :class:`gptlab.model.GPT`'s weights are loaded into it by name (``transformer.h.0...`` ->
-  ``h.0...``) and the logits compared within atol 1e-4 + rtol 1e-3 x |expected| (a composed
-  float32 model: its rounding stays below 1e-5 here, every listed mistake moves logits by > 0.1);
+* ``GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0)``, GPT-2's layout and names
+  (``transformer.wte``, ``transformer.wpe``, ``transformer.h``, ``transformer.ln_f``, ``lm_head``
+  tied to ``transformer.wte``: the layout of GPT-2's checkpoints, nanoGPT, :class:`gptlab.model.GPT`
+  and chapter 5's ``GPTByHand``), ``forward(idx (B, T)) -> logits (B, T, V)``:
+  :class:`gptlab.model.GPT`'s weights are loaded into it by name (the same names) and the logits
+  compared within atol 1e-4 + rtol 1e-3 x |expected| (a composed float32 model: its rounding stays
+  below 1e-5 here, every listed mistake moves logits by > 0.1);
 * ``count_params(vocab_size, block_size, n_layer, n_embd) -> int``: exactly
   :meth:`gptlab.model.GPT.num_params` (GPT-2 layout, biases, tied head), for GPT-2 Mini and GPT-2
   small to XL;
@@ -109,26 +111,33 @@ def _learner_params(model: nn.Module) -> dict[str, Tensor]:
     return {k: v for k, v in state.items() if k not in buffers}
 
 
+_LAYOUT = ("self.transformer = nn.ModuleDict(dict(wte=nn.Embedding(vocab_size, n_embd), wpe=nn.Embedding(block_size, "
+           "n_embd), h=nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)]), ln_f=nn.LayerNorm(n_embd))) "
+           "and self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)")
+
+
 def _load_by_name(model: nn.Module, ref: _model.GPT) -> None:
-    """Copy gptlab's weights into the learner's model: ``transformer.X`` -> ``X``."""
-    want = {k.removeprefix("transformer."): v for k, v in ref.state_dict().items()}
+    """Copy gptlab's weights into the learner's model, by name (GPT-2's names in both)."""
+    want = dict(ref.state_dict())
     have = _learner_params(model)
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
-    if "wpe.weight" in missing:
-        raise ExerciseError("GPT has no position embedding wpe: add self.wpe = nn.Embedding(block_size, n_embd) and add "
-                            "wpe(positions) to the token embeddings (without it, attention cannot tell the order of "
-                            "the tokens).")
-    if "ln_f.weight" in missing:
-        raise ExerciseError("GPT has no final norm ln_f: add self.ln_f = nn.LayerNorm(n_embd) and apply it after the "
-                            "last block, before lm_head (a pre-norm stack leaves the residual stream un-normalised).")
+    if "transformer.wpe.weight" in missing:
+        raise ExerciseError("GPT has no position embedding transformer.wpe: add wpe=nn.Embedding(block_size, n_embd) "
+                            "to self.transformer and add wpe(positions) to the token embeddings (without it, attention "
+                            "cannot tell the order of the tokens).")
+    if "transformer.ln_f.weight" in missing:
+        raise ExerciseError("GPT has no final norm transformer.ln_f: add ln_f=nn.LayerNorm(n_embd) to self.transformer "
+                            "and apply it after the last block, before lm_head (a pre-norm stack leaves the residual "
+                            "stream un-normalised).")
     if missing or unexpected:
         raise ExerciseError(
             "GPT's parameter names differ from GPT-2's, so gptlab's weights cannot be loaded into it by name.\n"
             f"  missing: {missing[:8]}{' ...' if len(missing) > 8 else ''}\n"
             f"  unexpected: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}\n"
-            "  Expected wte, wpe, h (an nn.ModuleList of Blocks: h.0.ln_1, h.0.attn.c_attn, h.0.attn.c_proj, h.0.ln_2, "
-            "h.0.mlp.c_fc, h.0.mlp.c_proj), ln_f and lm_head, each with GPT-2's shapes (biases included)."
+            "  Expected transformer.wte, transformer.wpe, transformer.h (an nn.ModuleList of Blocks: "
+            "transformer.h.0.ln_1, .attn.c_attn, .attn.c_proj, .ln_2, .mlp.c_fc, .mlp.c_proj), transformer.ln_f and "
+            "lm_head, each with GPT-2's shapes (biases included)."
         )
     for k, v in want.items():
         if tuple(have[k].shape) != tuple(v.shape):
@@ -136,14 +145,42 @@ def _load_by_name(model: nn.Module, ref: _model.GPT) -> None:
     load_params(model, want)
 
 
+def _check_layout(model: nn.Module, L: int, V: int, C: int) -> None:
+    """GPT-2's layout: ``transformer`` holding ``wte``, ``h`` (n_layer blocks), and ``lm_head`` tied to ``wte``."""
+    if not hasattr(model, "transformer"):
+        flat = [n for n in ("wte", "wpe", "h", "ln_f") if hasattr(model, n)]
+        where = (f"your model has {', '.join(flat)} directly on the model; GPT-2 keeps them inside self.transformer"
+                 if flat else "GPT-2 keeps the embeddings, the blocks and the final norm inside self.transformer")
+        raise ExerciseError(f"GPT has no attribute 'transformer': {where} (its checkpoints, nanoGPT, gptlab's GPT and "
+                            f"chapter 5 name the weights transformer.wte.weight, transformer.h.0...). Write {_LAYOUT}.")
+    tr = model.transformer
+    for name in ("wte", "h"):
+        if not hasattr(tr, name):
+            raise ExerciseError(f"GPT.transformer has no {name!r}: use GPT-2's names. Write {_LAYOUT}.")
+    if not hasattr(model, "lm_head"):
+        raise ExerciseError("GPT has no attribute 'lm_head': the output head is self.lm_head = nn.Linear(n_embd, "
+                            "vocab_size, bias=False), on the model itself, beside self.transformer.")
+    h = tr.h
+    if not isinstance_of(h, nn.ModuleList) or len(h) != L:
+        raise ExerciseError(f"GPT.transformer.h should be an nn.ModuleList of n_layer={L} Blocks, got "
+                            f"{describe(h)}" + (f" of length {len(h)}" if isinstance_of(h, nn.ModuleList) else "") + ".")
+    head, wte = getattr(model.lm_head, "weight", None), getattr(tr.wte, "weight", None)
+    if head is None or wte is None or not same_object(model, "lm_head.weight", "transformer.wte.weight"):
+        extra = f" (it adds {V * C} = vocab_size x n_embd parameters here, 38.6M in GPT-2 small)"
+        raise ExerciseError("the output head is not tied to the token embedding: lm_head.weight must be the same "
+                            "Parameter as transformer.wte.weight (self.lm_head.weight = self.transformer.wte.weight "
+                            "after creating both)" + extra + ".")
+
+
 def check_GPT(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the learner's class
     """Check a learner's ``GPT`` class against :class:`gptlab.model.GPT` (weights loaded by name).
 
-    Built as ``GPT(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)``: the head must be
-    tied (``lm_head.weight is wte.weight``), the names GPT-2's; then logits (B, T, V) for a batch of
-    2 full-length sequences and for one token are compared (atol 1e-4, rtol 1e-3). A sequence longer
-    than block_size must raise ValueError (or AssertionError); ``dropout`` must act in train mode
-    only.
+    Built as ``GPT(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)``: the layout and
+    the names must be GPT-2's (``transformer.wte``, ``transformer.wpe``, ``transformer.h``,
+    ``transformer.ln_f``, ``lm_head``), the head tied (``lm_head.weight is transformer.wte.weight``);
+    then logits (B, T, V) for a batch of 2 full-length sequences and for one token are compared (atol
+    1e-4, rtol 1e-3). A sequence longer than block_size must raise ValueError (or AssertionError);
+    ``dropout`` must act in train mode only.
     """
     require_function(cls, "GPT")
     V, T, L, H, C = 65, 16, 2, 4, 32
@@ -153,19 +190,7 @@ def check_GPT(cls: type, seed: int = 0) -> None:  # noqa: N802 - named after the
     if not is_module(model):
         raise ExerciseError(f"GPT(...) should build an nn.Module, got {describe(model)}: subclass nn.Module and "
                             "call super().__init__() first.")
-    for name in ("wte", "h", "lm_head"):
-        if not hasattr(model, name):
-            raise ExerciseError(f"GPT has no attribute {name!r}: use GPT-2's names wte, wpe, h, ln_f, lm_head.")
-    if not isinstance_of(model.h, nn.ModuleList) or len(model.h) != L:
-        raise ExerciseError(f"GPT.h should be an nn.ModuleList of n_layer={L} Blocks, got "
-                            f"{describe(model.h)}" + (f" of length {len(model.h)}" if isinstance_of(model.h, nn.ModuleList)
-                                                     else "") + ".")
-    head, wte = getattr(model.lm_head, "weight", None), getattr(model.wte, "weight", None)
-    if head is None or wte is None or not same_object(model, "lm_head.weight", "wte.weight"):
-        extra = f" (it adds {V * C} = vocab_size x n_embd parameters here, 38.6M in GPT-2 small)"
-        raise ExerciseError("the output head is not tied to the token embedding: lm_head.weight must be the same "
-                            "Parameter as wte.weight (self.lm_head.weight = self.wte.weight after creating both)" + extra
-                            + ".")
+    _check_layout(model, L, V, C)
     ref = _reference_model(V, T, L, H, C, seed)
     _load_by_name(model, ref)
     model.eval()

@@ -13,27 +13,53 @@ class GPT(nn.Module):
     def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0):
         super().__init__()
         self.block_size = block_size
-        self.wte = nn.Embedding(vocab_size, n_embd)
-{wpe}        self.drop = nn.Dropout(dropout)
-        self.h = nn.ModuleList([Block(n_embd, n_head) for _ in range(n_layer)])
-        self.ln_f = nn.LayerNorm(n_embd)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab_size, n_embd),
+{wpe}            drop=nn.Dropout(dropout),
+            h=nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)]),
+            ln_f=nn.LayerNorm(n_embd),
+        ))
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
 {tie}
     def forward(self, idx):
         B, T = idx.shape
-{check}        x = self.drop({embed})
-        for block in self.h:
+        tr = self.transformer
+{check}        x = tr.drop({embed})
+        for block in tr.h:
             x = block(x)
         return self.lm_head({final})
 '''
-_WPE = "        self.wpe = nn.Embedding(block_size, n_embd)\n"
-_TIE = "        self.lm_head.weight = self.wte.weight\n"
+_WPE = "            wpe=nn.Embedding(block_size, n_embd),\n"
+_TIE = "        self.lm_head.weight = self.transformer.wte.weight\n"
 _CHECK = ("        if T > self.block_size:\n"
           "            raise ValueError(f'T = {T} > block_size = {self.block_size}')\n")
-_EMBED = "self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))"
+_EMBED = "tr.wte(idx) + tr.wpe(torch.arange(T, device=idx.device))"
+# GPT-2's layout with the embeddings, blocks and final norm directly on the model (no self.transformer)
+_FLAT = '''
+class GPT(nn.Module):
+    def __init__(self, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.wpe = nn.Embedding(block_size, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.h = nn.ModuleList([Block(n_embd, n_head, dropout) for _ in range(n_layer)])
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        B, T = idx.shape
+        if T > self.block_size:
+            raise ValueError(f'T = {T} > block_size = {self.block_size}')
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+'''
 
 
-def _gpt(wpe=_WPE, tie=_TIE, check=_CHECK, embed=_EMBED, final="self.ln_f(x)") -> str:
+def _gpt(wpe=_WPE, tie=_TIE, check=_CHECK, embed=_EMBED, final="tr.ln_f(x)") -> str:
     return _GPT.format(wpe=wpe, tie=tie, check=check, embed=embed, final=final)
 
 
@@ -117,15 +143,16 @@ def _train(lr0="max_lr", eval_mode="        model.eval()\n", set_lr=_SET_LR, tar
 
 MISTAKES = [
     # ---- GPT
-    Mistake("GPT", "position embedding unused", _gpt(embed="self.wte(idx)"), "no position embedding"),
-    Mistake("GPT", "no position embedding at all", _gpt(wpe="", embed="self.wte(idx)"), "no position embedding wpe"),
+    Mistake("GPT", "position embedding unused", _gpt(embed="tr.wte(idx)"), "no position embedding"),
+    Mistake("GPT", "no position embedding at all", _gpt(wpe="", embed="tr.wte(idx)"), "no position embedding transformer.wpe"),
     Mistake("GPT", "untied head", _gpt(tie=""), "not tied to the token embedding"),
     Mistake("GPT", "final norm unused", _gpt(final="x"), "no final norm"),
     Mistake("GPT", "returns probabilities",
-            _gpt().replace("return self.lm_head(self.ln_f(x))",
-                           "return torch.softmax(self.lm_head(self.ln_f(x)), dim=-1)"),
+            _gpt().replace("return self.lm_head(tr.ln_f(x))",
+                           "return torch.softmax(self.lm_head(tr.ln_f(x)), dim=-1)"),
             "returned probabilities"),
     Mistake("GPT", "long sequences not rejected", _gpt(check=""), "was not rejected by your code"),
+    Mistake("GPT", "no transformer ModuleDict", _FLAT, "GPT has no attribute 'transformer'"),
     Mistake("GPT", "delegates to gptlab", '''
 from gptlab.model import GPT as _GPT, GPTConfig
 
