@@ -115,7 +115,7 @@ def test_train_not_written_and_wrong_history():
 # chapter 5 builds what this assignment grades
 
 CHAPTER = Path(__file__).resolve().parent.parent / "book" / "05_gpt2_mini.ipynb"
-CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPTByHand", "lr_at", "evaluate", "train")
+CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPTByHand", "count_params", "lr_at", "evaluate", "train")
 
 
 def _chapter_definitions() -> dict:
@@ -151,6 +151,14 @@ def test_chapter_5_model_passes_check_GPT():
 
     ref = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=True))
     assert set(model.state_dict()) == set(ref.state_dict())  # GPT-2's names, as gptlab's GPT
+
+
+def test_chapter_5_count_and_schedule_pass_their_checks():
+    """Chapter 5's count_params and lr_at pass tasks 2 and 3 as the chapter writes them."""
+    ns = _chapter_definitions()
+    gt.check_count_params(ns["count_params"])
+    gt.check_lr_at(ns["lr_at"])
+    gt.check_lr_at(ns["lr_at"], seed=3)
 
 
 @pytest.mark.slow
