@@ -83,3 +83,7 @@ def test_the_new_token_mask_is_the_shifted_lower_triangle(chapter):
             assert torch.equal(mask, torch.tril(torch.ones(T, S + T), diagonal=S).bool())
             assert torch.equal(mask, slot_mask(S, T, 0, S + T))
         assert torch.equal(new_token_mask(0, S + 1), causal_mask(S + 1))
+
+
+def test_the_chapters_code_is_no_tampering(chapter):
+    assert source.tampering(chapter[1]) == []
