@@ -241,6 +241,7 @@ def test_lock_folder_is_exclusive_and_released(tmp_path):
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_saves_and_prints_the_resume_command(tmp_path, monkeypatch, capsys, signum, code):
     out = tmp_path / "run"
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # SIG_IGN in a background job
     signal_at_step(monkeypatch, 5, signum)
     rc = main(["train", *CLI, "--out", str(out)])
     err = capsys.readouterr().err
@@ -252,7 +253,7 @@ def test_a_signal_saves_and_prints_the_resume_command(tmp_path, monkeypatch, cap
     assert command.startswith("python -m gptlab train --recipe tiny") and command.endswith("--resume")
     assert json.loads((out / "ckpt" / "train_state.json").read_text())["step"] == 5
     assert not (out / LOCK_FILE).exists()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers restored
     monkeypatch.undo()
     import shlex
 
