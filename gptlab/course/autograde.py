@@ -699,23 +699,21 @@ class _Feeder(threading.Thread):
                     if fut.exception() is not None:  # a process died while starting
                         broken.append((None, None))
                     continue
-                job, marker = in_flight.pop(fut)
-                try:
-                    self.out.put(fut.result())
-                except cf.process.BrokenProcessPool:
-                    broken.append((job, marker))
-                except Exception as e:  # noqa: BLE001
-                    self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
+                self._settle(fut, *in_flight.pop(fut), broken)
             if broken:  # the pool is dead: every job in it ends now, with a result or broken
                 for fut, (job, marker) in in_flight.items():
-                    try:
-                        self.out.put(fut.result())
-                    except cf.process.BrokenProcessPool:
-                        broken.append((job, marker))
-                    except Exception as e:  # noqa: BLE001
-                        self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
+                    self._settle(fut, job, marker, broken)
                 break
         return [(job, marker) for job, marker in broken if job is not None], bool(broken)
+
+    def _settle(self, fut, job, marker, broken: list) -> None:
+        """A finished future's result onto the queue; a job of a broken pool onto ``broken``."""
+        try:
+            self.out.put(fut.result())
+        except cf.process.BrokenProcessPool:
+            broken.append((job, marker))
+        except Exception as e:  # noqa: BLE001
+            self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
 
 
 def _run_jobs(jobs: list[dict], workers: int, prepare=None):
