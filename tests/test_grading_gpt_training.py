@@ -167,3 +167,21 @@ def test_chapter_5_training_loop_passes_check_train():
     ns = _chapter_definitions()
     result = gt.check_train(ns["train"], ns["GPTByHand"])
     assert result["val_loss"] < gt.THRESHOLD
+
+
+def test_delegation_in_the_graded_run_only_is_caught():
+    """A loop that trains by hand for the probe's step count and hands the graded run's schedule to
+    gptlab's lr_at is caught in the graded run (the guard watches both runs), and named."""
+    from gptlab.grading.core import DelegationError
+    from gptlab.train_config import lr_at as gptlab_lr_at
+
+    ns = _chapter_definitions()
+    by_hand = ns["train"]
+
+    def train(model, data, steps, **kw):
+        if steps > gt.PROBE_STEPS:
+            gptlab_lr_at(0, kw["max_lr"], kw["min_lr"], kw["warmup"], steps)  # only where the probe cannot see it
+        return by_hand(model, data, steps, **kw)
+
+    with pytest.raises(DelegationError, match="lr_at"):
+        gt.check_train(train, ns["GPTByHand"])

@@ -627,10 +627,12 @@ def check_train(train_fn: Callable, gpt_cls: type, seed: int = 0, steps: int | N
 
 def _graded_runs(train_fn: Callable, gpt_cls: type, seed: int, steps: int, device: str,
                  data: tuple[Tensor, Tensor]) -> dict:
-    # Delegation is looked for in the probe only: the profiling hook that sees it doubles the time of a run.
+    # Both runs are watched for delegation: a loop that trains by hand for the probe's step count and hands the
+    # graded run to gptlab is caught in the run that is graded (the guard's profiling hook costs no measurable
+    # time here: the steps' time is in PyTorch's kernels).
     probe = _run(train_fn, gpt_cls, PROBE_STEPS, seed, device, data, forbidden=_FORBID_TRAIN)
     _diagnose(probe, PROBE_MAX, f"the first {PROBE_STEPS} steps (a quick first run)")
-    full = _run(train_fn, gpt_cls, steps, seed, device, data)
+    full = _run(train_fn, gpt_cls, steps, seed, device, data, forbidden=_FORBID_TRAIN)
     _diagnose(full, THRESHOLD, f"{steps} steps")
     print(f"train: validation loss {full['own']:.4f} after {steps} steps of {BUDGET['batch_size']} x "
           f"{BUDGET['block_size']} tokens on {device} (must be below {THRESHOLD})")
