@@ -22,7 +22,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from .layers import Linear
 from .masks import slot_mask
 from .rope import apply_rope
 
@@ -112,8 +111,8 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.kv_heads, config.head_dim
         self.layer_idx = layer_idx
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
-        self.c_attn = Linear(config.n_embd, q_dim + 2 * kv_dim, bias=config.bias)
-        self.c_proj = Linear(q_dim, config.n_embd, bias=config.bias)
+        self.c_attn = nn.Linear(config.n_embd, q_dim + 2 * kv_dim, bias=config.bias)
+        self.c_proj = nn.Linear(q_dim, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.impl = config.attn_impl
         self.record_weights = False

@@ -15,11 +15,13 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
   real token). Positions come from the mask's cumulative sum, so each row generates exactly what it
   would alone.
 * Every step calls the model's decoding API, :meth:`gptlab.GPT.decode` (its one forward path,
-  with a cache). On a CPU its linear layers run the few-token products of a decode step on a copy of
-  their weights packed in row blocks, every core streaming its own (:class:`gptlab.layers.Linear`),
-  which is what makes batch-1 decoding fast: a step's time goes mostly into reading the weights.
-  ``fast=False`` turns that off. ``python -m gptlab bench generate`` measures both.
-  Speculative decoding (:mod:`gptlab.speculative`) calls the same API.
+  with a cache). Speculative decoding (:mod:`gptlab.speculative`) calls the same API.
+* ``fast=True`` (the default): on a CPU, for the length of the call, the model's linear layers that
+  are faster so on this machine are swapped for ones that multiply by a copy of their weights packed
+  in row blocks, every core streaming its own (:func:`gptlab.fast.cpu.pack_for_decoding`); the
+  originals are back when the call returns. A batch-1 step's time goes mostly into reading the
+  weights, so this is what makes it fast. ``fast=False`` runs the model as it is.
+  ``python -m gptlab bench generate`` measures both.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.
@@ -32,14 +34,15 @@ import math
 import numbers
 import sys
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .fast.cpu import pack_for_decoding, packed_layers
 from .kvcache import CACHE_IMPLS, make_cache
-from .layers import row_split
 from .model import check_token_ids
 from .sampling import SamplingConfig
 
@@ -161,6 +164,12 @@ class _Runner:
             self.positions = self.positions.index_select(0, index)
 
 
+def _fast_path(model, fast: bool, steps: int):
+    """``fast=True``: the model's layers packed for a decode of ``steps`` steps on a CPU, for the
+    block (:func:`gptlab.fast.cpu.pack_for_decoding`); ``False``: the model as it is."""
+    return pack_for_decoding(model, steps) if fast else nullcontext()
+
+
 class _EvalMode:
     """Put the model in eval mode (no dropout) for the duration, restoring its mode after."""
 
@@ -265,15 +274,21 @@ def stream(
     """
     options = dict(locals())
     steps, _, fast = _decoding(model, idx, max_new_tokens, options)
-    return _stream_steps(model, steps, fast)
+    return _stream_steps(model, steps, fast, max_new_tokens)
 
 
-def _stream_steps(model, steps: Iterator[Tensor], fast: bool) -> Iterator[Tensor]:
-    """:func:`stream`'s generator: each step run in inference mode, a copy of its tokens yielded."""
+def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int) -> Iterator[Tensor]:
+    """:func:`stream`'s generator: each step run in inference mode, a copy of its tokens yielded.
+    With ``fast``, the layers are packed once and swapped in for each step only: between the
+    steps (and once the stream is dropped) the model is its own."""
+    packing = None
     with _EvalMode(model):
         while True:
-            with torch.inference_mode(), row_split(None if fast else 1):
-                tok = next(steps, None)
+            with torch.inference_mode():
+                if fast and packing is None:
+                    packing = packed_layers(model, n)
+                with packing.installed() if fast else nullcontext():
+                    tok = next(steps, None)
             if tok is None:
                 return
             yield tok.clone()
@@ -314,8 +329,8 @@ def generate(
     attention_mask: (B, T), 1 = real token, 0 = left padding. Each row's output equals generating
         that row alone.
     fast: on a CPU, run the decode steps' matrix products on weights packed in row blocks over the
-        cores (:func:`gptlab.layers.row_split_linear`: the same products, summed in another order);
-        ``False`` runs plain ``F.linear``.
+        cores, in the layers where that is faster on this machine (:mod:`gptlab.fast.cpu`: the same
+        products, summed in another order); ``False`` runs the model's own ``nn.Linear`` layers.
 
     Logits holding NaN or only ``-inf`` (a diverged checkpoint) raise ``ValueError`` rather than
     produce token 0.
@@ -323,7 +338,7 @@ def generate(
     options = dict(locals())
     steps, out, fast = _decoding(model, idx, max_new_tokens, options)
     n = 0
-    with _EvalMode(model), torch.inference_mode(), row_split(None if fast else 1):
+    with _EvalMode(model), torch.inference_mode(), _fast_path(model, fast, max_new_tokens):
         for _ in steps:
             n += 1
     return out[:, : idx.shape[1] + n].clone()
@@ -344,6 +359,7 @@ def beam_search(
     use_cache: bool = True,
     attention_mask: Tensor | None = None,
     early_stopping: bool | str = False,
+    fast: bool = True,
 ) -> Tensor:
     """Beam search, as Hugging Face's ``generate(num_beams=num_beams, do_sample=False,
     early_stopping=early_stopping)``.
@@ -363,6 +379,8 @@ def beam_search(
     stops a row as soon as it has ``num_beams`` finished hypotheses; ``"never"`` estimates the
     best live beam's score at the longest length it could reach (with ``length_penalty > 0``),
     so a row stops only when no beam can possibly do better.
+
+    ``fast``: as in :func:`generate` (the decode steps' products on packed weights where faster).
     """
     if not (early_stopping is True or early_stopping is False or early_stopping == "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
@@ -402,7 +420,7 @@ def beam_search(
     batch_offset = torch.arange(B, device=device)[:, None] * nb
 
     flat_mask = None if mask is None else mask.repeat_interleave(nb, dim=0)
-    with _EvalMode(model), torch.inference_mode():
+    with _EvalMode(model), torch.inference_mode(), _fast_path(model, fast, max_new_tokens):
         runner = _Runner(model, B * nb, T, total, flat_mask, use_cache, "static", device)
         flat = running.view(B * nb, total)
         for cur in range(T, total):

@@ -4,12 +4,12 @@ Where this sits: tokens -> *model* -> logits -> loss or samples. ``GPT(config)(i
 ids (B, T) to next-token logits (B, T, V).
 
 The parts live in their own modules, in the order the data meets them: :mod:`gptlab.config`
-(the hyper-parameters and variants), :mod:`gptlab.layers` (norms, MLPs, the linear layer),
-:mod:`gptlab.masks`, :mod:`gptlab.rope` and :mod:`gptlab.attention`. This module assembles them
-into a :class:`Block` and the :class:`GPT`, and re-exports them (``gptlab.model.causal_mask``
-works). :meth:`GPT.forward` is the model's one code path: training, a full forward, a prompt
-prefill and decode steps of one or several tokens over a KV cache (:meth:`GPT.decode`, what
-:mod:`gptlab.generation` and :mod:`gptlab.speculative` call) all run it.
+(the hyper-parameters and variants), :mod:`gptlab.layers` (norms, MLPs), :mod:`gptlab.masks`,
+:mod:`gptlab.rope` and :mod:`gptlab.attention`; the linear layers are PyTorch's ``nn.Linear``.
+This module assembles them into a :class:`Block` and the :class:`GPT`, and re-exports them
+(``gptlab.model.causal_mask`` works). :meth:`GPT.forward` is the model's one code path: training,
+a full forward, a prompt prefill and decode steps of one or several tokens over a KV cache
+(:meth:`GPT.decode`, what :mod:`gptlab.generation` and :mod:`gptlab.speculative` call) all run it.
 
 Names follow GPT-2's own (``wte``, ``wpe``, ``h``, ``ln_1``, ``attn.c_attn``, ``attn.c_proj``,
 ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``) so that loading real GPT-2 weights is
@@ -30,7 +30,7 @@ from . import hf
 from .attention import CausalSelfAttention, attention, attention_weights, merge_heads, split_heads
 from .config import GPTConfig
 from .kvcache import KVCache
-from .layers import MLP, LayerNorm, Linear, RMSNorm, SwiGLU, gelu, layer_norm, new_gelu, rms_norm
+from .layers import MLP, LayerNorm, RMSNorm, SwiGLU, gelu, layer_norm, new_gelu, rms_norm
 from .masks import additive_mask, causal_mask, combine_masks, slot_mask
 from .rope import apply_rope, rope_cache
 
@@ -55,7 +55,6 @@ __all__ = [
     "RMSNorm",
     "MLP",
     "SwiGLU",
-    "Linear",
     "layer_norm",
     "rms_norm",
     "gelu",
@@ -138,7 +137,7 @@ class GPT(nn.Module):
         if config.pos_emb == "learned":
             parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(parts)
-        self.lm_head = Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # weight tying (Press & Wolf, 2017)
         if config.pos_emb == "rope":

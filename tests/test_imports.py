@@ -107,3 +107,34 @@ def test_model_parts_import_nothing_downstream(module):
     downstream = {"gptlab.generation", "gptlab.speculative", "gptlab.train", "gptlab.checkpoint", "gptlab.hf",
                   "gptlab.smollm", "gptlab.model"}
     assert graph[f"gptlab.{module}"] & downstream == set()
+
+
+# The modules a learner reads as the definition of the model and its pieces. The speed-ups of
+# gptlab.fast are swapped in from outside (by generation and speculative decoding), never imported
+# by these, not even through another module.
+TEACHING = ["config", "layers", "masks", "rope", "attention", "model", "kvcache", "sampling", "hf", "tokenizers",
+            "data", "bigram"]
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+@pytest.mark.parametrize("module", TEACHING)
+def test_teaching_modules_never_import_fast(module):
+    graph, _ = _graph()
+    fast = {m for m in _reachable(graph, f"gptlab.{module}") if m == "gptlab.fast" or m.startswith("gptlab.fast.")}
+    assert fast == set(), f"gptlab.{module} imports {sorted(fast)}: the teaching modules stay plain PyTorch"
+
+
+def test_the_fast_path_is_installed_from_outside():
+    """gptlab.fast is used (by generation), and the rule above would catch a teaching module that did."""
+    graph, _ = _graph()
+    assert "gptlab.fast.cpu" in graph["gptlab.generation"]
+    assert "gptlab.fast.cpu" in _reachable(graph, "gptlab")  # through generation, re-exported by the package

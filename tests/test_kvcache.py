@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from gptlab import GPT, generate
 from gptlab.generation import make_cache
@@ -194,28 +192,18 @@ def test_make_cache_choices():
         make_cache(m, 2, 10, "paged")
 
 
-@pytest.mark.parametrize("parts", [1, 2, 3])
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
+def test_decode_api_equals_model_forward(variant):
     """The model's decode API (static cache, no padding) computes the full forward's logits, one
-    token at a time and a few at a time (speculative verification), for every variant, with its
-    matrix products whole (parts=1) or on packed row blocks (parts > 1)."""
-    from gptlab import layers
-
-    calls = []
-    split = layers.blocks_product
-    monkeypatch.setattr(layers, "blocks_product", lambda *a: calls.append(a[1].weight.shape[0]) or split(*a))
-    monkeypatch.setattr(layers, "ROW_SPLIT_MIN_WEIGHT", 0)  # the tiny model's weights are packed too
+    token at a time and a few at a time (speculative verification), for every variant. (With the
+    decode products on packed weights: tests/test_fast_cpu.py.)"""
     m = _model(**VARIANTS[variant])
     B, T0 = 2, 5
     ids = torch.randint(0, V, (B, T0 + 15), generator=torch.Generator().manual_seed(9))
     cache = StaticKVCache.for_model(m, B, T0 + 15)
     with torch.no_grad():
         full, _ = m(ids)
-    with torch.no_grad(), layers.row_split(parts):
         m(ids[:, :T0], kv_cache=cache)
-        assert (len(calls) > 0) == (parts > 1)  # the packed products really run
-        assert set(calls) <= {parts}
         for t in range(T0, 12):
             logits = m.decode(ids[:, t : t + 1], cache)
             torch.testing.assert_close(logits, full[:, t], atol=1e-5, rtol=0, msg=f"step {t}")
@@ -226,174 +214,6 @@ def test_decode_api_equals_model_forward(variant, parts, monkeypatch):
             assert cache.length == t + n
         with pytest.raises(ValueError, match="KV cache full"):
             m.decode(ids[:, :5], cache)
-    idx = ids[:, :T0]
-    assert torch.equal(generate(m, idx, 20, temperature=0, fast=True), generate(m, idx, 20, temperature=0, fast=False))
-
-
-def test_linear_row_blocks_follow_the_weights(monkeypatch):
-    """Linear keeps its packed copy of the weight between calls and remakes it whenever the weight
-    or bias changes: in place (an optimiser step, load_state_dict, anything under no_grad) or
-    replaced (tying, .data =, load_state_dict with assign, a dtype change, .to()), so the packed
-    product always equals F.linear on the current weights. unpack() drops the copy; pickles and
-    deep copies never hold it."""
-    import copy
-    import pickle
-
-    from gptlab import layers
-
-    monkeypatch.setattr(layers, "ROW_SPLIT_MIN_WEIGHT", 0)
-    g = torch.Generator().manual_seed(3)
-    lin = layers.Linear(32, 96)
-    x = torch.randn(1, 2, 32, generator=g)
-
-    def same(packed=True):
-        for xi in (x, x[:, :1], x[0]):  # several vectors, one (a batch-1 decode step), 2-D input
-            with torch.no_grad(), layers.row_split(2):
-                y = lin(xi)
-            torch.testing.assert_close(y, F.linear(xi, lin.weight, lin.bias), atol=1e-5, rtol=1e-5)
-        assert (lin._packed is not None) == packed  # the packed product ran (float32 weights only)
-
-    same()
-    packed = lin._packed
-    same()
-    assert lin._packed is packed  # kept between calls while nothing changes
-    lin.unpack()
-    with torch.inference_mode():  # packed under inference mode (as generate does) ...
-        lin(x)
-    assert lin._packed[1].weight.is_inference()
-    same()  # ... and used under no_grad: reading inference tensors is allowed
-    with torch.no_grad():
-        lin.weight.mul_(2.0)  # in place (an optimiser step)
-    same()
-    with torch.no_grad():
-        lin.bias.add_(1.0)  # the bias alone
-    same()
-    opt = torch.optim.SGD(lin.parameters(), lr=0.5)
-    lin(x).sum().backward()
-    opt.step()  # a real optimiser step
-    same()
-    lin.load_state_dict({"weight": torch.randn(96, 32, generator=g), "bias": torch.randn(96, generator=g)})  # copy_
-    same()
-    lin.weight = nn.Parameter(torch.randn(96, 32, generator=g))  # replaced (e.g. weight tying)
-    same()
-    lin.bias.data = torch.randn(96, generator=g)
-    same()
-    lin.load_state_dict({"weight": torch.randn(96, 32, generator=g), "bias": torch.randn(96, generator=g)}, assign=True)
-    same()
-    twin = copy.deepcopy(lin)
-    assert "_packed" not in twin.__dict__
-    with torch.no_grad():
-        twin.weight.zero_()
-    same()  # the copy's weights are its own
-    assert "_packed" not in pickle.loads(pickle.dumps(lin)).__dict__
-    with torch.no_grad():
-        lin.weight.data.mul_(3.0)  # through .data: PyTorch does not count it ...
-    lin.unpack()  # ... so the documented remedy
-    assert "_packed" not in lin.__dict__
-    same()
-    lin.double()
-    assert "_packed" not in lin.__dict__  # .to() / .double() drop the copy of the old weights
-    x = x.double()
-    same(packed=False)  # float64: F.linear
-    lin.float()
-    x = x.float()
-    same()
-    lin.bias = None  # no bias
-    same()
-
-
-@pytest.mark.parametrize("bag", [True, False])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(96, 32), (65, 32), (8, 32)])
-def test_row_split_linear_equals_f_linear(shape, bias, bag, monkeypatch):
-    """The packed product equals F.linear for one vector (the embedding-bag sum, or the batched
-    product where FBGEMM is missing) and several (the batched product), whatever the number of
-    parts: a row count the parts do not divide (65), or fewer rows than parts (8 rows in 7 parts),
-    is padded with zero rows and cut back."""
-    from gptlab import layers
-    from gptlab.layers import row_blocks, row_split_linear
-
-    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", bag)
-
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(shape, generator=g)
-    b = torch.randn(shape[0], generator=g) if bias else None
-    for parts in (1, 2, 3, 4, 7):
-        blocks = row_blocks(w, b, parts)
-        part = -(-shape[0] // parts)
-        assert blocks.weight.shape == (parts, shape[1], part) and blocks.weight.is_contiguous()
-        assert blocks.out_features == shape[0]
-        torch.testing.assert_close(blocks.weight.transpose(1, 2).reshape(-1, shape[1])[: shape[0]], w, rtol=0, atol=0)
-        for lead in ((1, 1), (2, 1), (1, 5), (3, 4), (7,), (2, 2, 3), (1,), (1, 1, 1)):
-            x = torch.randn(*lead, shape[1], generator=g)
-            torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-        x = torch.randn(1, shape[1], 5, generator=g).transpose(1, 2)  # (1, 5, in), not contiguous
-        torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-        x = torch.randn(1, shape[1], 1, generator=g).transpose(1, 2)  # one vector, not contiguous
-        torch.testing.assert_close(row_split_linear(x, w, b, parts), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="parts"):
-        row_blocks(w, b, 0)
-
-
-def test_blocks_product_uses_the_embedding_bag_for_one_vector(monkeypatch):
-    """One vector's product is the embedding-bag sum (the fast kernel for it), several vectors'
-    the batched product; both equal F.linear (checked above)."""
-    from gptlab import layers
-
-    assert layers.EMBEDDING_BAG_PRODUCT == ("fbgemm" in torch.backends.quantized.supported_engines)
-    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", True)
-    used = []
-    for name in ("embedding_bag", "baddbmm", "bmm"):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _r=real, _n=name, **k: used.append(_n) or _r(*a, **k))
-    w, b = torch.randn(96, 32), torch.randn(96)
-    blocks = layers.row_blocks(w, b, 4)
-    layers.blocks_product(torch.randn(1, 1, 32), blocks)
-    assert used == ["embedding_bag"]
-    layers.blocks_product(torch.randn(1, 3, 32), blocks)
-    assert used == ["embedding_bag", "baddbmm"]
-    layers.blocks_product(torch.randn(2, 32), layers.row_blocks(w, None, 4))
-    assert used == ["embedding_bag", "baddbmm", "bmm"]
-    monkeypatch.setattr(layers, "EMBEDDING_BAG_PRODUCT", False)  # no FBGEMM (an Arm CPU)
-    layers.blocks_product(torch.randn(1, 1, 32), blocks)
-    assert used[-1] == "baddbmm"
-
-
-def test_linear_splits_only_small_cpu_products_without_autograd(monkeypatch):
-    """gptlab's Linear packs a decode step's product (few tokens, no autograd, a weight of at least
-    ROW_SPLIT_MIN_WEIGHT numbers); training (autograd on), long prefills, small weights, inference
-    tensors and row_split(1) (generate's fast=False) run F.linear, whatever the thread count."""
-    from gptlab import layers
-
-    calls = []
-    split = layers.blocks_product
-    monkeypatch.setattr(layers, "blocks_product", lambda *a: calls.append(1) or split(*a))
-    lin = layers.Linear(32, 96)
-    with torch.no_grad():
-        lin(torch.randn(1, 32))
-    assert not calls  # 3,072 numbers: below ROW_SPLIT_MIN_WEIGHT, cache-resident, faster whole
-    monkeypatch.setattr(layers, "ROW_SPLIT_MIN_WEIGHT", lin.weight.numel())
-    with layers.row_split(2):
-        lin(torch.randn(1, 32))  # autograd on: training
-        assert not calls
-        with torch.no_grad():
-            lin(torch.randn(1, layers.ROW_SPLIT_MAX_ROWS + 1, 32))  # a long prefill
-            assert not calls
-            y = lin(torch.randn(2, 3, 32))
-            assert len(calls) == 1 and y.shape == (2, 3, 96)
-    with torch.no_grad(), layers.row_split(1):
-        lin(torch.randn(1, 32))
-        assert len(calls) == 1
-    with torch.no_grad():  # the default: twice the thread count, even on one thread
-        lin(torch.randn(1, 32))
-        assert len(calls) == 2 and lin._packed[1].weight.shape[0] == 2 * torch.get_num_threads()
-    with torch.inference_mode():
-        frozen = layers.Linear(32, 96)  # inference tensors keep no version counter: never packed
-        frozen(torch.randn(1, 32))
-        assert len(calls) == 2 and frozen._packed is None
-    with pytest.raises(ValueError, match="parts"):
-        with layers.row_split(0):
-            pass
 
 
 def test_cached_decoding_runs_forward_hooks():

@@ -12,19 +12,22 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
   weight matrices, then ``lm_head``): no attention, no norms, no Python bookkeeping. The practical
   floor for a decode step, with each product run as PyTorch runs ``F.linear`` (one BLAS call, which
   for one vector uses one core);
-* ``bare_matvec_split``: the same chain run as gptlab's linear layers run a decode step's products:
-  each weight packed once in row blocks, twice as many as there are CPU threads
-  (:func:`gptlab.layers.row_blocks`), one vector's product an embedding-bag sum over each block
-  (:func:`gptlab.layers.blocks_product`). The floor for the half-rate target is the faster of the
-  two chains;
+* ``bare_matvec_split``: the same chain run as ``fast=True`` runs a decode step's products
+  (:mod:`gptlab.fast.cpu`): each weight packed once in row blocks, twice as many as there are CPU
+  threads (:func:`gptlab.fast.cpu.row_blocks`), one vector's product an embedding-bag sum over each
+  block (:func:`gptlab.fast.cpu.blocks_product`). The floor for the half-rate target is the faster
+  of the two chains;
 * ``bare_matvec_blocks_bmm``: the packed blocks multiplied by ``torch.bmm`` instead
-  (:func:`gptlab.layers.batched_product`, a batched BLAS product): what the embedding bag is
+  (:func:`gptlab.fast.cpu.batched_product`, a batched BLAS product): what the embedding bag is
   compared with;
 * ``gptlab_uncached``, ``gptlab_concat``, ``gptlab_static_fwd`` and ``gptlab_cached``:
   :func:`gptlab.generate` without a cache, with the teaching :class:`~gptlab.kvcache.ConcatKVCache`,
-  with the :class:`~gptlab.kvcache.StaticKVCache` and plain ``F.linear`` products (``fast=False``),
-  and the default: static cache, products on the packed row blocks (``fast=True``). All four run the
-  model's one forward path (:meth:`gptlab.GPT.decode` with a cache).
+  with the :class:`~gptlab.kvcache.StaticKVCache` and the model's own ``nn.Linear`` products
+  (``fast=False``), and the default: static cache, ``fast=True``, the linear layers swapped for
+  packed ones for each call where a calibration on this machine found them faster
+  (:func:`gptlab.fast.cpu.pack_for_decoding`; each call packs afresh, and that time is counted).
+  All four run the model's one forward path (:meth:`gptlab.GPT.decode` with a cache). The decode
+  path ``fast=True`` took is printed (:func:`gptlab.fast.cpu.last_plan`).
 
 The contenders run interleaved, round after round, and each reports its best round (the least
 disturbed by other processes) and the median; the ratios that matter are computed from the best
@@ -42,6 +45,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..fast.cpu import calibration_path, last_plan
 from ..files import atomic_path, atomic_write_json
 from . import machine_name
 
@@ -76,7 +80,7 @@ def add_arguments(parser) -> None:
 
 def _contenders(model, hf, n_new: int, device) -> dict:
     from ..generation import generate
-    from ..layers import batched_product, blocks_product, row_blocks
+    from ..fast.cpu import batched_product, blocks_product, row_blocks
 
     parts = 2 * torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
@@ -128,7 +132,7 @@ def _contenders(model, hf, n_new: int, device) -> dict:
     def whole(w):  # one BLAS matrix-vector product per matrix, as PyTorch runs F.linear
         return lambda x: F.linear(x, w)
 
-    def split(w):  # the same products on packed row blocks, as gptlab's linear layers run them
+    def split(w):  # the same products on packed row blocks, as fast=True runs them
         blocks = row_blocks(w, None, parts)
         return lambda x: blocks_product(x, blocks)
 
@@ -185,6 +189,9 @@ def run(args) -> int:
     # correctness first: the cached and uncached paths, and HF, must agree token for token
     same = {name: None for name in fns}
     ref = fns["gptlab_cached"]()
+    plan = last_plan()  # what fast=True ran (the first call calibrates this machine if it has to)
+    print(f"decode path of gptlab_cached (fast=True), from {calibration_path()}:")
+    print("  " + (plan.describe().replace("\n", "\n  ") if plan is not None else "none recorded"))
     for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached"):
         if name in fns:
             same[name] = bool(torch.equal(fns[name](), ref))
@@ -267,6 +274,8 @@ def run(args) -> int:
             "floor": floor,
             "targets_met": targets,
             "same_tokens": same,
+            "decode_path": None if plan is None else {"path": plan.path, "packed": len(plan.packed),
+                                                      "plain": len(plan.plain), "description": plan.describe()},
             "sweep": {"lengths": lengths, "tokens_per_s": sweep},
         }
         atomic_write_json(args.json, payload)

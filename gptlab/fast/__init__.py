@@ -1,0 +1,17 @@
+"""Speed-ups swapped into a model from outside, never part of its definition.
+
+The teaching modules (:mod:`gptlab.layers`, :mod:`gptlab.attention`, :mod:`gptlab.model`, ...)
+build the model from plain PyTorch layers and never import this package (``tests/test_imports.py``
+says so). What is here replaces some of a model's modules with faster equivalents for the length of
+one job and puts the originals back after, the pattern of gpt-fast's ``quantize.py``:
+
+* :mod:`gptlab.fast.cpu`: batch-1 decoding on a CPU, each ``nn.Linear`` worth it swapped for a
+  :class:`~gptlab.fast.cpu.PackedLinear` (:func:`~gptlab.fast.cpu.pack_for_decoding`), chosen by
+  timing both products on this CPU (:func:`~gptlab.fast.cpu.calibrate`). :func:`gptlab.generate`,
+  :func:`gptlab.stream`, :func:`gptlab.beam_search` and :func:`gptlab.speculative_generate` use it
+  with ``fast=True``.
+"""
+
+from .cpu import PackedLinear, Plan, calibrate, decode_plan, last_plan, pack_for_decoding, packed_layers
+
+__all__ = ["PackedLinear", "Plan", "calibrate", "decode_plan", "last_plan", "pack_for_decoding", "packed_layers"]

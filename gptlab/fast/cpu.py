@@ -1,0 +1,541 @@
+"""Fast batch-1 decoding on a CPU: a model's linear layers swapped, for the length of a decode, for
+layers that multiply by a copy of their weight packed in row blocks.
+
+Why. A decode step multiplies a handful of vectors by each weight matrix, so it is memory-bound
+(every 4-byte weight is read once per token for two floating-point operations per vector): what
+counts is how fast the weights stream from memory. ``F.linear`` runs one vector's product on one
+core. Packed, the weight's rows are split in blocks, twice as many as there are threads, each
+stored transposed and contiguous (:func:`row_blocks`), and one call spreads the blocks over the
+cores (:func:`blocks_product`): one vector's product as an embedding-bag sum where FBGEMM's kernel
+exists (x86 CPUs), a batched product elsewhere. Each output is the same dot product, summed in
+another order: equal to ``F.linear``'s up to float rounding.
+
+What it costs: the packed copy is as large as the weight, and packing it takes time. So the copy
+lives only while a decode runs (:func:`pack_for_decoding` makes it, swaps the layers in, and puts
+the originals back after, an exception included), and only where it pays off on the machine at
+hand: :func:`calibrate` times a decode step's product both ways for each of the model's weight
+shapes, once per machine (cached in ``cache_dir() / "fast-cpu.json"`` under the CPU's name, the
+thread count and the torch version), and :func:`decode_plan` packs a layer when its packed product
+is clearly faster and the decode is long enough to pay the packing back. :func:`last_plan` is the
+plan the last decode of this process ran (``python -m gptlab bench generate`` prints it).
+
+Outside a ``pack_for_decoding`` block nothing here changes what a model computes: the model is
+built from ``nn.Linear`` (:mod:`gptlab.layers`, :mod:`gptlab.attention`, :mod:`gptlab.model`, which
+never import this module), and its state dict and checkpoints are the same with or without it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..assets import cache_dir
+from ..files import atomic_write_json
+
+__all__ = [
+    "PackedLinear",
+    "pack_for_decoding",
+    "packed_layers",
+    "Packing",
+    "decode_plan",
+    "Plan",
+    "last_plan",
+    "calibrate",
+    "Timing",
+    "machine_key",
+    "calibration_path",
+    "row_split_linear",
+    "RowBlocks",
+    "row_blocks",
+    "blocks_product",
+    "bag_product",
+    "batched_product",
+]
+
+ROW_SPLIT_MAX_ROWS = 32  # packed products for at most this many input vectors (decode steps, short chunks)
+# Weights with fewer numbers (64 KB in float32) stay plain without being timed: they sit in the
+# caches between tokens and their product takes a few microseconds, mostly the call itself.
+SMALLEST_MEASURED = 1 << 14
+FASTER_BY = 0.9  # packed only when its product takes under 90% of the plain one's (beyond timing noise)
+CALIBRATION_FILE = "fast-cpu.json"
+# One vector's product as an embedding-bag sum where PyTorch has FBGEMM's kernel for it (x86 CPUs);
+# elsewhere the bag is a plain loop, and the batched product is faster.
+EMBEDDING_BAG_PRODUCT = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+# --------------------------------------------------------------------------- the packed product
+
+
+class RowBlocks(NamedTuple):
+    """A weight (out, in) and bias (out,) packed for decoding's products (:func:`row_blocks`)."""
+
+    weight: Tensor  # (P, in, part): block p is rows p*part .. (p+1)*part - 1 of the weight, transposed
+    bias: Tensor | None  # (P, 1, part): the same slices of the bias
+    out_features: int  # out <= P * part: the last block is padded with zero rows
+    indices: Tensor  # (P * in,) int64: 0, 1, ..., P*in - 1, every row of every block, in order
+    offsets: Tensor  # (P,) int64: 0, in, 2 in, ..., where each block's rows start
+
+
+def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
+    """Pack ``weight`` (out, in) and ``bias`` (out,) for :func:`blocks_product`: the weight's rows
+    in ``parts`` equal blocks of ``part = ceil(out / P)`` rows (zero rows pad the last block), each
+    stored transposed and contiguous, (P, in, part), the bias likewise (P, 1, part). A copy,
+    detached from autograd: :class:`PackedLinear` makes it once, when it is made."""
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be an int >= 1, got {parts!r}")
+    out, inp = weight.shape
+    part = -(-out // parts)
+    with torch.no_grad():
+        padded = weight.new_zeros(parts * part, inp)
+        padded[:out] = weight
+        blocks = padded.view(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
+        bias_blocks = None
+        if bias is not None:
+            bias_blocks = bias.new_zeros(parts * part)
+            bias_blocks[:out] = bias
+            bias_blocks = bias_blocks.view(parts, 1, part)
+    indices = torch.arange(parts * inp, device=weight.device)
+    offsets = torch.arange(0, parts * inp, max(inp, 1), device=weight.device)
+    return RowBlocks(blocks, bias_blocks, out, indices, offsets)
+
+
+def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """``F.linear(x, weight, bias)`` from the packed weight of :func:`row_blocks`: x (..., in) ->
+    (..., out), the P blocks in one call that spreads them over the cores.
+
+    One vector (a batch-1 decode step, the case that matters) runs :func:`bag_product` where
+    FBGEMM's embedding-bag kernel exists (``EMBEDDING_BAG_PRODUCT``: x86 CPUs); several vectors, or
+    one where that kernel is missing, run :func:`batched_product`. ``python -m gptlab bench
+    generate`` measures both on one vector.
+    """
+    if EMBEDDING_BAG_PRODUCT and x.numel() == blocks.weight.shape[1] > 0:
+        return bag_product(x, blocks)
+    return batched_product(x, blocks)
+
+
+def bag_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """One vector's product from the packed blocks: x (..., in) holding one vector -> (..., out).
+
+    ``y = sum_i x_i W^T[i, :]`` is a weighted sum of the rows of ``W^T``, exactly what
+    ``torch.embedding_bag`` computes (mode sum with ``per_sample_weights``, one bag per block). Its
+    kernel streams the table from memory several times faster than a BLAS matrix-vector product on
+    the CPUs measured, and a decode step spends most of its time reading weights.
+    """
+    w = blocks.weight
+    P, inp, part = w.shape
+    weights = torch.cat([x.reshape(inp)] * P)  # (P * in,): x once per block
+    y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
+    if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
+        y = y.add_(blocks.bias.view(P, part))
+    y = y.view(*x.shape[:-1], P * part)
+    return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
+
+
+def batched_product(x: Tensor, blocks: RowBlocks) -> Tensor:
+    """Any number of vectors' product from the packed blocks: x (..., in) -> (..., out), one
+    batched matrix product (``torch.baddbmm``) that reads each block once for all the vectors."""
+    w = blocks.weight
+    P, inp, part = w.shape
+    lead = x.shape[:-1]
+    n = math.prod(lead)
+    x2 = x.reshape(1, n, inp).expand(P, n, inp)
+    y = torch.bmm(x2, w) if blocks.bias is None else torch.baddbmm(blocks.bias, x2, w)  # (P, n, part)
+    y = y.transpose(0, 1).reshape(*lead, P * part)  # (n, P, part): block p holds outputs p*part ..
+    return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
+
+
+def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: int = 2) -> Tensor:
+    """``F.linear(x, weight, bias)`` computed as :class:`PackedLinear` computes a decode step's
+    product: x (..., in), weight (out, in), bias (out,) -> (..., out), the weight's rows split in
+    ``parts`` blocks (:func:`row_blocks`) multiplied in one call (:func:`blocks_product`). Equal to
+    ``F.linear``'s result up to float rounding (the same sums in another order). This packs the
+    weight on every call; :class:`PackedLinear` packs it once.
+    """
+    return blocks_product(x, row_blocks(weight, bias, parts))
+
+
+# Hook dictionaries a PackedLinear shares with the layer it stands in for: hooks registered on the
+# model's layers (the chapters' shape traces, the kv_cache grader's counters) keep running.
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+class PackedLinear(nn.Module):
+    """Stands in for an ``nn.Linear`` while decoding: the same ``weight`` and ``bias`` (the same
+    Parameter objects, shared, never copied: the state dict keeps its names and tensors) and a copy
+    of them packed in ``parts`` row blocks (:func:`row_blocks`), made once, here.
+
+    A product of at most ``ROW_SPLIT_MAX_ROWS`` input vectors without autograd (a decode step, a
+    short prompt, speculative verification) runs :func:`blocks_product` on the copy; anything else
+    (training, a long prefill) runs ``F.linear`` on the shared weight. The copy does not follow
+    later changes of the weight: make a new one (:func:`pack_for_decoding` packs afresh for each
+    decode). The layer's hooks keep running (the hook dictionaries are shared with it).
+    """
+
+    def __init__(self, linear: nn.Linear, parts: int):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.register_parameter("bias", linear.bias)
+        self.parts = parts
+        self.blocks = row_blocks(linear.weight, linear.bias, parts)  # a plain attribute: no state dict entry
+        self.training = linear.training
+        for name in _HOOKS:
+            if name in linear.__dict__:
+                self.__dict__[name] = linear.__dict__[name]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled() and x.numel() <= ROW_SPLIT_MAX_ROWS * self.in_features \
+                and x.dtype == self.blocks.weight.dtype:
+            return blocks_product(x, self.blocks)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " \
+               f"bias={self.bias is not None}, parts={self.parts}"
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One weight shape's decode-step product on this machine, microseconds, best of the rounds."""
+
+    plain_us: float  # F.linear on one vector
+    packed_us: float  # blocks_product on one vector
+    pack_us: float  # row_blocks: making the packed copy
+
+    @property
+    def faster(self) -> bool:
+        """The packed product is clearly faster (beyond timing noise: ``FASTER_BY``)."""
+        return self.packed_us < FASTER_BY * self.plain_us
+
+    @property
+    def pay_back_steps(self) -> float:
+        """How many decode steps the packing takes to pay back (inf: never)."""
+        gain = self.plain_us - self.packed_us
+        return math.inf if gain <= 0 else self.pack_us / gain
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine_key() -> str:
+    """What a calibration holds for: the CPU's name, the thread count (the blocks are twice as
+    many), the torch version, and the kernel of one vector's packed product."""
+    kernel = "embedding_bag" if EMBEDDING_BAG_PRODUCT else "bmm"
+    return f"{_cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {kernel}"
+
+
+def calibration_path() -> Path:
+    """Where calibrations are kept: ``cache_dir() / "fast-cpu.json"`` (``$GPTLAB_CACHE``)."""
+    return cache_dir() / CALIBRATION_FILE
+
+
+# The timings read or measured by this process, per (calibration file, machine key).
+_TIMINGS: dict[tuple[str, str], dict[str, Timing]] = {}
+
+
+def _shape(linear: nn.Linear) -> str:
+    return f"{linear.out_features}x{linear.in_features}"
+
+
+def _read(path: Path, key: str) -> dict[str, Timing]:
+    """The timings saved for ``key`` ({} when the file is missing, unreadable or holds others)."""
+    try:
+        machines = json.loads(path.read_text(encoding="utf-8")).get("machines", {})
+        saved = machines.get(key, {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+    out = {}
+    for shape, t in saved.items() if isinstance(saved, dict) else ():
+        try:
+            out[shape] = Timing(float(t["plain_us"]), float(t["packed_us"]), float(t["pack_us"]))
+        except (KeyError, TypeError, ValueError):
+            continue  # a damaged entry is measured again
+    return out
+
+
+def _busy() -> bool:
+    """The machine is busy: its load average over the last minute is at least its core count.
+    Other processes then take the cores from the threads of a parallel product, which can make
+    it a hundred times slower; a calibration measured then is not saved."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except (AttributeError, OSError):  # no load average (Windows)
+        return False
+
+
+def _save(path: Path, key: str, timings: dict[str, Timing]) -> None:
+    """Merge ``timings`` into the file (atomically). A cache that cannot be written is no error:
+    the timings still hold for this process."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
+            raise ValueError
+    except (OSError, ValueError):
+        data = {"version": 1, "machines": {}}
+    entry = data["machines"].setdefault(key, {})
+    if not isinstance(entry, dict):
+        entry = data["machines"][key] = {}
+    entry.update({shape: asdict(t) for shape, t in timings.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, data)
+    except OSError:
+        pass
+
+
+def _measure(layers: list[nn.Linear], parts: int, rounds: int) -> dict[str, Timing]:
+    """Time one vector's product by each layer both ways, in the model's order (so the weights
+    stream from memory as in a decode step), the two ways alternating round after round; per shape
+    the best round's mean per layer."""
+    shapes = [_shape(m) for m in layers]
+    count = Counter(shapes)
+    pack_ns: dict[str, list[int]] = {}
+    blocks = []
+    with torch.no_grad():
+        for m, s in zip(layers, shapes):
+            t0 = time.perf_counter_ns()
+            blocks.append(row_blocks(m.weight, m.bias, parts))
+            pack_ns.setdefault(s, []).append(time.perf_counter_ns() - t0)
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(1, m.in_features, generator=g) for m in layers]
+        ways = {
+            "plain": lambda i: F.linear(xs[i], layers[i].weight, layers[i].bias),
+            "packed": lambda i: blocks_product(xs[i], blocks[i]),
+        }
+        best: dict[str, dict[str, float]] = {"plain": {}, "packed": {}}
+        for r in range(rounds + 1):  # round 0 warms up
+            for way in ("plain", "packed") if r % 2 else ("packed", "plain"):
+                run, total = ways[way], dict.fromkeys(count, 0)
+                for i, s in enumerate(shapes):
+                    t0 = time.perf_counter_ns()
+                    run(i)
+                    total[s] += time.perf_counter_ns() - t0
+                if r:
+                    for s, t in total.items():
+                        best[way][s] = min(best[way].get(s, math.inf), t / count[s])
+    return {s: Timing(best["plain"][s] / 1e3, best["packed"][s] / 1e3, statistics.median(pack_ns[s]) / 1e3)
+            for s in count}
+
+
+def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
+    """The model's linear layers that could be packed (plain ``nn.Linear``, float32 weights on the
+    CPU, not the model itself), and the others' reasons."""
+    ok, why = [], {}
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.Linear):
+            continue
+        w = m.weight
+        if not name:
+            why[name or "(the model)"] = "the model itself: no parent to swap it in"
+        elif type(m) is not nn.Linear:
+            why[name] = f"a subclass of nn.Linear ({type(m).__name__}): its forward may differ"
+        elif w.device.type != "cpu" or w.is_meta:
+            why[name] = f"weights on {w.device}, not the CPU"
+        elif w.dtype != torch.float32:
+            why[name] = f"weights in {w.dtype}, not float32"
+        else:
+            ok.append((name, m))
+    return ok, why
+
+
+def calibrate(model: nn.Module, *, refresh: bool = False, rounds: int = 5) -> dict[str, Timing]:
+    """The timings, on this machine, of the weight shapes (``"out x in"``) of ``model``'s linear
+    layers that could be packed (float32 on the CPU, at least ``SMALLEST_MEASURED`` numbers).
+
+    A shape is timed once per machine (:func:`machine_key`): the first call measures it on the
+    model's own weights (``rounds`` rounds, the two ways alternating, about as long as a few dozen
+    decode steps) and saves it in :func:`calibration_path`; later calls, in this process or another,
+    read it. A measurement made while the machine is busy (:func:`_busy`) holds for this process
+    only: the next one measures again. ``refresh=True`` measures every shape again.
+    """
+    path, key = calibration_path(), machine_key()
+    memo = _TIMINGS.get((str(path), key))
+    if memo is None:
+        memo = _TIMINGS[(str(path), key)] = _read(path, key)
+    layers = [m for _, m in _candidates(model)[0] if m.weight.numel() >= SMALLEST_MEASURED]
+    todo = [m for m in layers if refresh or _shape(m) not in memo]
+    if todo:
+        measured = _measure(todo, 2 * torch.get_num_threads(), rounds)
+        memo.update(measured)
+        if not _busy():
+            _save(path, key, measured)
+    return {s: memo[s] for s in dict.fromkeys(_shape(m) for m in layers)}
+
+
+# --------------------------------------------------------------------------- the plan and the swap
+
+
+@dataclass
+class Plan:
+    """Which of a model's linear layers a decode runs packed, and why the others stay plain."""
+
+    machine: str  # machine_key()
+    parts: int  # row blocks per packed weight
+    kernel: str  # one vector's packed product: "embedding_bag" (FBGEMM) or "bmm"
+    steps: int | None  # the decode length the choice was made for (None: any length)
+    packed: list[str] = field(default_factory=list)  # module names
+    plain: dict[str, str] = field(default_factory=dict)  # module name -> why it stays nn.Linear
+    timings: dict[str, Timing] = field(default_factory=dict)  # per weight shape, when calibrated
+    shapes: dict[str, str] = field(default_factory=dict)  # module name -> its shape "out x in"
+
+    @property
+    def path(self) -> str:
+        """``"packed"`` (every linear layer), ``"mixed"`` or ``"plain"``."""
+        if not self.packed:
+            return "plain"
+        return "packed" if not self.plain else "mixed"
+
+    def describe(self) -> str:
+        """The plan in a few lines: how many layers run packed, and per shape the timings behind it."""
+        n = len(self.packed) + len(self.plain)
+        if self.packed:
+            head = (f"packed row blocks for {len(self.packed)} of {n} linear layers ({self.parts} blocks per weight, "
+                    f"one vector by {self.kernel})")
+        else:
+            head = f"plain F.linear for all {n} linear layers"
+        lines = [f"{head}; {self.machine}" + ("" if self.steps is None else f"; for {self.steps} steps")]
+        groups: dict[tuple[str, str], int] = {}
+        for name in self.packed:
+            groups[(self.shapes.get(name, "?"), "packed")] = groups.get((self.shapes.get(name, "?"), "packed"), 0) + 1
+        for name, why in self.plain.items():
+            k = (self.shapes.get(name, "?"), f"plain: {why}")
+            groups[k] = groups.get(k, 0) + 1
+        for (shape, what), k in groups.items():
+            t = self.timings.get(shape)
+            timing = "" if t is None else \
+                f"one vector {t.plain_us:.1f} us plain, {t.packed_us:.1f} us packed, packing {t.pack_us:.0f} us; "
+            lines.append(f"  {shape} x{k}: {timing}{what}")
+        return "\n".join(lines)
+
+
+_LAST: Plan | None = None  # the plan of this process's last pack_for_decoding (a record, read by last_plan)
+
+
+def last_plan() -> Plan | None:
+    """The plan the last :func:`pack_for_decoding` of this process ran (None before any)."""
+    return _LAST
+
+
+def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
+                select: Callable[[str, nn.Linear], bool] | None = None) -> Plan:
+    """Which of ``model``'s linear layers to pack for a decode of ``steps`` steps (None: any).
+
+    By default from :func:`calibrate`: a layer is packed when its packed product is clearly faster
+    on this machine (``Timing.faster``) and the decode is long enough to pay back its packing
+    (``Timing.pay_back_steps <= steps``). ``select(name, layer) -> bool`` chooses instead, among
+    the layers that can be packed (tests, experiments). ``parts``: row blocks per weight (default
+    twice ``torch.get_num_threads()``).
+    """
+    parts = 2 * torch.get_num_threads() if parts is None else parts
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"parts must be None or an int >= 1, got {parts!r}")
+    ok, why = _candidates(model)
+    plan = Plan(machine_key(), parts, "embedding_bag" if EMBEDDING_BAG_PRODUCT else "bmm", steps, plain=why)
+    plan.shapes = {name: _shape(m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if select is None and ok:
+        plan.timings = calibrate(model)
+    for name, m in ok:
+        if select is not None:
+            reason = None if select(name, m) else "not selected"
+        elif m.weight.numel() < SMALLEST_MEASURED:
+            reason = f"under {SMALLEST_MEASURED} numbers, not timed (cache-resident, faster whole)"
+        else:
+            t = plan.timings[_shape(m)]
+            if not t.faster:
+                reason = "the packed product is not faster on this machine"
+            elif steps is not None and t.pay_back_steps > steps:
+                reason = f"packing pays back after {t.pay_back_steps:.0f} steps, more than {steps}"
+            else:
+                reason = None
+        if reason is None:
+            plan.packed.append(name)
+        else:
+            plan.plain[name] = reason
+    return plan
+
+
+class Packing:
+    """A model's layers packed by a :class:`Plan`, ready to swap in: ``with packing.installed():``.
+    The packed copies live as long as this object."""
+
+    def __init__(self, model: nn.Module, plan: Plan):
+        self.plan = plan
+        chosen = set(plan.packed)
+        names = {id(m): name for name, m in model.named_modules()}
+        made: dict[int, PackedLinear] = {}
+        self._swaps: list[tuple[nn.Module, str, nn.Module, PackedLinear]] = []
+        if not chosen:
+            return
+        for parent in model.modules():
+            for attr, child in parent._modules.items():
+                if child is not None and names.get(id(child)) in chosen:
+                    if id(child) not in made:  # a layer shared by two parents gets one stand-in
+                        made[id(child)] = PackedLinear(child, plan.parts)
+                    self._swaps.append((parent, attr, child, made[id(child)]))
+
+    def install(self) -> None:
+        """Swap the packed layers in (where the original layer still is)."""
+        global _LAST
+        _LAST = self.plan
+        for parent, attr, original, packed in self._swaps:
+            if parent._modules.get(attr) is original:
+                parent._modules[attr] = packed
+
+    def uninstall(self) -> None:
+        """Put the original layers back."""
+        for parent, attr, original, packed in reversed(self._swaps):
+            if parent._modules.get(attr) is packed:
+                parent._modules[attr] = original
+
+    @contextmanager
+    def installed(self) -> Iterator[Plan]:
+        """The packed layers in place for the block, the originals back after (an exception included)."""
+        self.install()
+        try:
+            yield self.plan
+        finally:
+            self.uninstall()
+
+
+def packed_layers(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
+                  select: Callable[[str, nn.Linear], bool] | None = None) -> Packing:
+    """:func:`decode_plan`'s layers packed (the copies made now), not yet swapped in."""
+    return Packing(model, decode_plan(model, steps, parts=parts, select=select))
+
+
+@contextmanager
+def pack_for_decoding(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
+                      select: Callable[[str, nn.Linear], bool] | None = None) -> Iterator[Plan]:
+    """Within the block, ``model``'s linear layers that :func:`decode_plan` chooses are
+    :class:`PackedLinear`; on exit (an exception included) the original ``nn.Linear`` modules are
+    back and the packed copies are dropped. Yields the plan. ``steps``: how many decode steps the
+    block will run (the packing must pay itself back within them; None: any number).
+    """
+    with packed_layers(model, steps, parts=parts, select=select).installed() as plan:
+        yield plan
