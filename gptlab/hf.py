@@ -42,27 +42,17 @@ _GPT2_EOS = 50256  # GPT-2's <|endoftext|>
 def config_from_hf(hf_config) -> GPTConfig:
     """The :class:`GPTConfig` equivalent to a ``GPT2Config`` or ``LlamaConfig``."""
     kind = getattr(hf_config, "model_type", None)
-    if kind == "gpt2":
-        if getattr(hf_config, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"gptlab's MLP uses GPT-2's tanh GELU; got activation {hf_config.activation_function!r}")
-        if not getattr(hf_config, "scale_attn_weights", True) or getattr(
-            hf_config, "scale_attn_by_inverse_layer_idx", False
-        ):
-            raise ValueError("gptlab scales attention scores by 1/sqrt(head_dim) only; this GPT2Config scales differently")
-        return GPTConfig(
-            vocab_size=hf_config.vocab_size,
-            block_size=hf_config.n_positions,
-            n_layer=hf_config.n_layer,
-            n_head=hf_config.n_head,
-            n_embd=hf_config.n_embd,
-            n_inner=hf_config.n_inner,
-            dropout=0.0,
-            bias=True,
-            norm_eps=hf_config.layer_norm_epsilon,
-            tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
-        )
-    if kind == "openai-gpt":
-        if hf_config.afn not in ("gelu", "gelu_new"):  # HF's GPT-1 maps "gelu" to the tanh GELU
+    if kind in ("gpt2", "openai-gpt"):  # the same fields; GPT-1 normalises after each sub-layer
+        if kind == "gpt2":
+            if getattr(hf_config, "activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ValueError(
+                    f"gptlab's MLP uses GPT-2's tanh GELU; got activation {hf_config.activation_function!r}")
+            if not getattr(hf_config, "scale_attn_weights", True) or getattr(
+                hf_config, "scale_attn_by_inverse_layer_idx", False
+            ):
+                raise ValueError(
+                    "gptlab scales attention scores by 1/sqrt(head_dim) only; this GPT2Config scales differently")
+        elif hf_config.afn not in ("gelu", "gelu_new"):  # HF's GPT-1 maps "gelu" to the tanh GELU
             raise ValueError(f"gptlab's MLP uses the tanh GELU; got afn={hf_config.afn!r}")
         return GPTConfig(
             vocab_size=hf_config.vocab_size,
@@ -70,10 +60,11 @@ def config_from_hf(hf_config) -> GPTConfig:
             n_layer=hf_config.n_layer,
             n_head=hf_config.n_head,
             n_embd=hf_config.n_embd,
+            n_inner=getattr(hf_config, "n_inner", None),
             dropout=0.0,
             bias=True,
             norm_eps=hf_config.layer_norm_epsilon,
-            prenorm=False,
+            prenorm=kind == "gpt2",
             tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
         )
     if kind == "llama":

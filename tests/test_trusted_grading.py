@@ -213,6 +213,10 @@ ATTACKS = [
     ("name = 'o' + 'ps'\nf = getattr(torch, name)", "computed names"),
     ("import sys\nx = sys.modules['gptlab']", "sys.modules"),
     ("def f(fn):\n    return fn.__globals__", "namespace"),
+    ("import pkgutil\nf = pkgutil.resolve_name('gptlab.masks:causal_mask')", "pkgutil"),
+    ("import torch.multiprocessing as mp", "torch.multiprocessing"),
+    ("import sys\nsys.path.insert(0, '/tmp/answers')", "sys.path"),
+    ("import sys as s\ns.path[:0] = ['/tmp/answers']", "sys.path"),
 ]
 
 
@@ -244,6 +248,14 @@ def _forbidden_masks():
     "from gptlab import *\ndef causal_mask(T):\n    return masks.causal_mask(T)",
     "from gptlab.grading.causal_mask import reference_causal_attention_weights as r\ndef causal_mask(T):\n    return r(T)",
     "def causal_mask(T):\n    src = open('solutions/causal_mask/causal_mask.ipynb').read()\n    return torch.ones(T, T).tril().bool()",
+    "from safetensors.torch import load_file\ndef causal_mask(T):\n    return load_file('answers.st')[str(T)]",
+    "def causal_mask(T):\n    return torch.load('answers.pt')[T]",
+    "import numpy as np\ndef causal_mask(T):\n    return torch.from_numpy(np.load('answers.npy'))[:T, :T]",
+    "def causal_mask(T):\n    return torch.jit.load('mask.pt')(T)",
+    "def causal_mask(T):\n    return torch.hub.load('someone/answers', 'causal_mask')(T)",
+    "def causal_mask(T):\n    return torch.from_file('answers.bin', size=T * T).view(T, T).bool()",
+    "import linecache\ndef causal_mask(T):\n    linecache.getlines('solutions/causal_mask/causal_mask.ipynb')\n    return torch.ones(T, T).tril().bool()",
+    "from urllib.request import urlopen\ndef causal_mask(T):\n    urlopen('http://example.invalid/answers')\n    return torch.ones(T, T).tril().bool()",
 ])
 def test_delegation_is_found_however_it_is_spelled(code):
     found = source.delegation(_program(code), ["causal_mask"], _forbidden_masks())

@@ -342,7 +342,9 @@ _TAMPER_MODULES = {
     "runpy", "pdb", "bdb", "trace", "socket", "atexit", "sysconfig", "torch._C", "torch.ops", "torch.overrides",
     "torch.library", "torch.utils._python_dispatch", "torch._VF", "torch._ops", "torch._dynamo", "asyncio",
     "types", "operator", "dis", "tracemalloc", "faulthandler", "sitecustomize", "usercustomize", "site",
+    "pkgutil", "zipimport", "imp", "torch.multiprocessing",
 }
+_PATH_MUTATORS = {"append", "insert", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
 
 
 def tampering(program: Program) -> list[Finding]:
@@ -377,6 +379,8 @@ def tampering(program: Program) -> list[Finding]:
                     add(cell, node, _TAMPER_ATTRS[node.attr])
                 elif node.attr == "modules" and id(node) not in called:
                     add(cell, node, "it reads or changes the table of imported modules (sys.modules)")
+                elif node.attr in _PATH_MUTATORS and "sys.path" in _paths(node.value, program.aliases):
+                    add(cell, node, "it changes where modules are imported from (sys.path)")
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
                     node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2 and \
                     not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
@@ -389,6 +393,8 @@ def tampering(program: Program) -> list[Finding]:
             if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
                 targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
                 for t in targets:
+                    if isinstance(t, ast.Subscript) and "sys.path" in _paths(t.value, program.aliases):
+                        add(cell, node, "it changes where modules are imported from (sys.path)")
                     chain = _chain(t) if isinstance(t, ast.Attribute) else None
                     if chain and chain[0] in modules:
                         add(cell, node, f"it changes {chain[0]}.{'.'.join(chain[1])}, which other code uses")
@@ -407,7 +413,14 @@ def tampering(program: Program) -> list[Finding]:
 
 _FILE_READS = {"open": "it reads a file", "read_text": "it reads a file", "read_bytes": "it reads a file",
                "loadtxt": "it reads a file", "fromfile": "it reads a file", "load_file": "it reads a file",
-               "safe_open": "it reads a file", "urlopen": "it downloads"}
+               "safe_open": "it reads a file", "urlopen": "it downloads", "from_file": "it reads a file",
+               "genfromtxt": "it reads a file", "memmap": "it reads a file", "getline": "it reads a file",
+               "getlines": "it reads a file", "urlretrieve": "it downloads"}
+_FILE_READ_PATHS = {
+    "torch.load": "it reads a file", "torch.jit.load": "it reads a file", "torch.hub": "it downloads or reads a file",
+    "numpy.load": "it reads a file", "linecache": "it reads a file", "fileinput": "it reads a file",
+    "requests": "it downloads", "urllib": "it downloads", "http.client": "it downloads",
+}
 
 
 def _walk_code(node: ast.AST):
@@ -472,6 +485,12 @@ def delegation(program: Program, names: Sequence[str], forbidden: Iterable[Any] 
                     why = _FILE_READS["open"]
                 if why is None and isinstance(node, ast.Attribute) and node.attr in _FILE_READS:
                     why = _FILE_READS[node.attr]
+                if why is None and isinstance(node, ast.Name) and node.id in _FILE_READS and \
+                        node.id in program.aliases:  # from safetensors.torch import load_file
+                    why = _FILE_READS[node.id]
+                if why is None:
+                    why = next((w for path in _paths(node, program.aliases) for prefix, w in _FILE_READ_PATHS.items()
+                                if path == prefix or path.startswith(prefix + ".")), None)
             elif isinstance(node, ast.ImportFrom | ast.Import):
                 mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
                 if any(m.startswith("gptlab.grading") for m in mods):
