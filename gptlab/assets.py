@@ -22,6 +22,7 @@ import contextlib
 import errno
 import hashlib
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -43,6 +44,9 @@ __all__ = [
     "fetch",
     "register_asset",
     "sha256_file",
+    "sha256_json",
+    "verify_hashes",
+    "VERIFY_ENV",
     "atomic_write_bytes",
     "atomic_write_text",
     "atomic_write_json",
@@ -211,6 +215,26 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(_CHUNK), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def sha256_json(obj: object) -> str:
+    """Hex sha256 of ``obj`` written as canonical JSON (sorted keys, no spaces, ASCII only): the
+    same for any formatting of the same content. A manifest records the hash of its own content
+    this way (it cannot hold the hash of its own bytes)."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+VERIFY_ENV = "GPTLAB_VERIFY_CHECKPOINTS"
+
+
+def verify_hashes(verify: bool | None = None) -> bool:
+    """Whether a load checks the sha256s recorded beside local files (a checkpoint's, SmolLM2's
+    converted cache's): ``verify`` when given, else True unless ``$GPTLAB_VERIFY_CHECKPOINTS`` is
+    ``0``, ``false``, ``no`` or ``off`` (hashing reads every byte: about a second per GB)."""
+    if verify is not None:
+        return bool(verify)
+    return os.environ.get(VERIFY_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ A checkpoint folder holds:
 * ``model.safetensors``: the weights. Tied weights (``lm_head.weight`` is ``wte.weight``) are
   stored once and re-tied on load.
 * ``config.json``: ``{"format", "version", "model": GPTConfig dict, "tokenizer": tokenizer dict
-  or null, "tied": {dropped name: kept name}}``.
+  or null, "tied": {dropped name: kept name}, "sha256": {file name: sha256 of its bytes},
+  "config_sha256": sha256 of config.json's own content}``. It is the checkpoint's manifest,
+  written last.
 * ``optimizer.safetensors`` (optional): every tensor of the optimiser's state (AdamW's moments
   and step counts), with the parameter groups and any non-tensor state as JSON in the file's
   metadata header.
@@ -18,6 +20,15 @@ A checkpoint folder holds:
 
 Safety: weights are read with ``safetensors`` and everything else is JSON, so loading a
 checkpoint never unpickles anything (no ``torch.load``).
+
+Integrity: a load refuses, with a :class:`CheckpointError` naming the file, a file whose sha256 is
+not the one the manifest records (a flipped byte, a hand edit of ``config.json``), a config field
+of the wrong type or range, weights that are not floating point or not of the shapes the config
+gives, a config that differs from the one the weights were saved with (kept in
+``model.safetensors``' header: this still tells when the hashes are not checked), and a tokenizer
+with more ids than the model's ``vocab_size`` (fewer is a padded vocabulary, allowed).
+``verify=False`` (or ``GPTLAB_VERIFY_CHECKPOINTS=0``) skips the hashes, which read every byte
+(about a second per GB); checkpoints written before the hashes existed load without them.
 
 Atomicity: the whole folder is first written under a temporary name beside the target, then
 swapped in with renames (:func:`gptlab.files.atomic_dir`), so a crash during a save never leaves a half
@@ -36,8 +47,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from .assets import VERIFY_ENV, sha256_file, sha256_json, verify_hashes
 from .files import atomic_dir, kept_aside
 from .model import GPT, GPTConfig
 from .rng import rng_state, set_rng_state  # re-exported: the training state they make is saved here
@@ -116,11 +128,12 @@ def _read_json(path: Path) -> Any:
         raise CheckpointError(f"{path} is not valid JSON ({e})") from e
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a safetensors file; a truncated or foreign file raises CheckpointError
-    naming it (safetensors' own error names no file)."""
+def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a safetensors file and its header's metadata; a truncated or foreign file
+    raises CheckpointError naming it (safetensors' own error names no file)."""
     try:
-        return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
     except Exception as e:  # safetensors raises SafetensorError, OSError or ValueError by case
         if isinstance(e, FileNotFoundError):
             raise
@@ -148,7 +161,9 @@ def _model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, tied
 
 
-def _load_weights(model: GPT, tensors: dict[str, torch.Tensor], tied: dict[str, str], where: Path) -> None:
+def _check_weights(model: GPT, tensors: dict[str, torch.Tensor], tied: dict[str, str], where: Path) -> None:
+    """The tensors of ``where`` (a model.safetensors) fit ``model``: the same names (those stored
+    once under a kept name included), floating-point dtypes, the same shapes."""
     expected = set(model.state_dict().keys())
     got = set(tensors) | set(tied)
     missing, unexpected = sorted(expected - got), sorted(got - expected)
@@ -158,10 +173,21 @@ def _load_weights(model: GPT, tensors: dict[str, torch.Tensor], tied: dict[str, 
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )
+    lost = sorted(kept for kept in tied.values() if kept not in tensors)
+    if lost:
+        raise CheckpointError(f"{where}: config.json's 'tied' names weights the file does not hold: {lost[:8]}")
     state = model.state_dict()
     for name, t in tensors.items():
+        if not t.dtype.is_floating_point:
+            raise CheckpointError(f"{where}: {name} is stored as {t.dtype}; a checkpoint's weights are floating point "
+                                  "(float32, bfloat16, float16 or float64)")
         if tuple(state[name].shape) != tuple(t.shape):
             raise CheckpointError(f"{where}: {name} has shape {tuple(t.shape)}, the model expects {tuple(state[name].shape)}")
+
+
+def _load_weights(model: GPT, tensors: dict[str, torch.Tensor], tied: dict[str, str]) -> None:
+    """Copy checked tensors (:func:`_check_weights`) into ``model`` and re-tie the shared ones."""
+    state = model.state_dict()
     model.load_state_dict(tensors, strict=False)
     # re-tie: the model's constructor ties lm_head to wte when config.tie_weights; for any other
     # tie recorded in the file, copy the kept tensor (values are equal by construction).
@@ -268,6 +294,9 @@ def save_checkpoint(
     if train_state is not None and not isinstance(train_state, dict):
         raise TypeError(f"train_state must be a dict, got {type(train_state).__name__}")
 
+    if tokenizer is not None:
+        _check_tokenizer_size(tokenizer, raw.config.vocab_size, "save_checkpoint")
+
     # Prepare everything in memory first: a bad argument fails before touching the disk.
     tensors, tied = _model_tensors(raw)
     config = {
@@ -277,6 +306,7 @@ def save_checkpoint(
         "tokenizer": tokenizer.to_dict() if tokenizer is not None else None,
         "tied": tied,
     }
+    header = {"format": "pt", "gptlab": FORMAT, _HEADER_CONFIG: json.dumps(config["model"], sort_keys=True)}
     opt_payload = None
     if optimizer is not None:
         opt_payload = optimizer_state_to_tensors(optimizer.state_dict())
@@ -286,13 +316,16 @@ def save_checkpoint(
     if out_dir.exists() and not (out_dir / CONFIG_FILE).exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not a gptlab checkpoint folder; refusing to replace it")
     with atomic_dir(out_dir) as tmp:  # an interrupted save leaves the previous checkpoint in place
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"format": "pt", "gptlab": FORMAT})
+        save_file(tensors, str(tmp / MODEL_FILE), metadata=header)
         if opt_payload is not None:
             opt_tensors, opt_meta = opt_payload
             save_file(opt_tensors, str(tmp / OPTIMIZER_FILE),
                       metadata={"format": "pt", "gptlab_optimizer": json.dumps(opt_meta)})
         if train_state is not None:
             _write_json(tmp / TRAIN_STATE_FILE, train_state)
+        # the manifest: the hash of each file's bytes as written, then of its own content
+        config["sha256"] = {f.name: sha256_file(f) for f in sorted(tmp.iterdir())}
+        config["config_sha256"] = _config_digest(json.loads(json.dumps(config)))
         _write_json(tmp / CONFIG_FILE, config)  # last: a folder without config.json is incomplete
     return out_dir
 
@@ -326,55 +359,170 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
+def _is_sha256(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
 def _read_config(ckpt: Path) -> dict:
-    cfg = _read_json(ckpt / CONFIG_FILE)
+    """config.json, its format, version, ``tied`` map and manifest checked (each error names the
+    file). The model config and the tokenizer are read by :func:`_model_config`, :func:`_tokenizer`."""
+    where = ckpt / CONFIG_FILE
+    cfg = _read_json(where)
     if not isinstance(cfg, dict) or cfg.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt / CONFIG_FILE} is not a gptlab checkpoint config (format {FORMAT!r} expected)")
+        raise CheckpointError(f"{where} is not a gptlab checkpoint config (format {FORMAT!r} expected)")
     if cfg.get("version") != VERSION:
         raise CheckpointError(f"{ckpt}: checkpoint version {cfg.get('version')!r}, this gptlab reads version {VERSION}")
+    tied = cfg.get("tied")
+    if tied is not None and not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointError(f"{where}: 'tied' must map dropped weight names to kept ones ({{str: str}}), "
+                              f"got {type(tied).__name__} {tied!r:.120}")
+    hashes = cfg.get("sha256")
+    if hashes is not None and not (isinstance(hashes, dict) and all(
+            isinstance(k, str) and _is_sha256(v) for k, v in hashes.items())):
+        raise CheckpointError(f"{where}: 'sha256' must map file names to sha256s (64 lowercase hex digits), "
+                              f"got {type(hashes).__name__} {hashes!r:.120}")
+    if cfg.get("config_sha256") is not None and not _is_sha256(cfg["config_sha256"]):
+        raise CheckpointError(f"{where}: 'config_sha256' must be a sha256 (64 lowercase hex digits), "
+                              f"got {cfg['config_sha256']!r:.120}")
     return cfg
 
 
-def _build_model(ckpt: Path, cfg: dict) -> GPT:
-    fields = set(GPTConfig.__dataclass_fields__)
+def _model_config(ckpt: Path, cfg: dict) -> GPTConfig:
+    """The GPTConfig of config.json's "model", each field checked; an error names the file, the
+    field, the value and what is allowed, on one line."""
+    where = ckpt / CONFIG_FILE
     model_cfg = cfg.get("model")
     if not isinstance(model_cfg, dict):
-        raise CheckpointError(f"{ckpt / CONFIG_FILE}: 'model' must hold the GPTConfig dict")
-    unknown = sorted(set(model_cfg) - fields)
-    if unknown:
-        raise CheckpointError(f"{ckpt / CONFIG_FILE}: unknown GPTConfig fields {unknown}")
-    model = GPT(GPTConfig(**model_cfg))
-    if not (ckpt / MODEL_FILE).is_file():
-        raise CheckpointError(f"{ckpt}: {MODEL_FILE} is missing")
-    tensors = _read_safetensors(ckpt / MODEL_FILE)
-    _load_weights(model, tensors, dict(cfg.get("tied") or {}), ckpt)
-    return model
+        raise CheckpointError(f"{where}: 'model' must hold the GPTConfig dict, got {type(model_cfg).__name__}")
+    try:
+        return GPTConfig.from_dict(model_cfg, where=str(where))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(str(e)) from None
 
 
-def _tokenizer(cfg: dict) -> Any:
+def _config_digest(cfg: dict) -> str:
+    """The sha256 config.json records of its own content: everything but that hash itself."""
+    return sha256_json({k: v for k, v in cfg.items() if k != "config_sha256"})
+
+
+def _check_tokenizer_size(tokenizer: Any, vocab_size: int, where: Any, error: type[Exception] = ValueError) -> None:
+    """A tokenizer with more ids than the model's embedding has rows is refused; fewer is allowed
+    (a vocabulary padded to a round size, as nanoGPT's 50304 rows for GPT-2's 50257 ids)."""
+    n = getattr(tokenizer, "vocab_size", None)
+    if isinstance(n, int) and n > vocab_size:
+        raise error(f"{where}: the tokenizer has {n} tokens but the model's vocab_size is {vocab_size} "
+                    f"(ids {vocab_size} to {n - 1} have no embedding)")
+
+
+def _tokenizer(ckpt: Path, cfg: dict, vocab_size: int) -> Any:
+    """The tokenizer config.json holds (or None), of the model's vocabulary size."""
     d = cfg.get("tokenizer")
     if d is None:
         return None
     from .tokenizers import tokenizer_from_dict
 
-    return tokenizer_from_dict(d)
+    where = ckpt / CONFIG_FILE
+    try:
+        tok = tokenizer_from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: 'tokenizer': {e}") from None
+    _check_tokenizer_size(tok, vocab_size, where, CheckpointError)
+    return tok
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device | None = None) -> tuple[GPT, Any]:
+def _verify_config(ckpt: Path, cfg: dict, verify: bool) -> None:
+    """config.json's content against the hash it records (none in an older checkpoint)."""
+    digest = cfg.get("config_sha256")
+    if verify and digest is not None and _config_digest(cfg) != digest:
+        raise CheckpointError(
+            f"{ckpt / CONFIG_FILE}: its content does not match the config_sha256 it records ({digest}): it was "
+            f"edited after the save; verify=False (or {VERIFY_ENV}=0) loads it unchecked")
+
+
+def _verify_file(ckpt: Path, cfg: dict, name: str, verify: bool) -> None:
+    """``ckpt / name``'s bytes against the sha256 the manifest records (none in an older checkpoint)."""
+    hashes = cfg.get("sha256")
+    if not verify or hashes is None:
+        return
+    path = ckpt / name
+    expected = hashes.get(name)
+    if expected is None:
+        raise CheckpointError(f"{path}: not recorded in the manifest {ckpt / CONFIG_FILE} (added after the save?)")
+    got = sha256_file(path)
+    if got != expected:
+        raise CheckpointError(
+            f"{path}: sha256 {got} does not match the {expected} recorded in {ckpt / CONFIG_FILE} (the file was "
+            f"damaged or changed after the save); verify=False (or {VERIFY_ENV}=0) loads it unchecked")
+
+
+_HEADER_CONFIG = "gptlab_model"  # in model.safetensors' header: the GPTConfig the weights were saved with
+_SAME_WEIGHTS_FIELDS = ("dropout", "attn_impl")  # change neither what the weights mean nor the logits
+
+
+def _check_header(ckpt: Path, config: GPTConfig, meta: dict[str, str]) -> None:
+    """config.json's model config against the one model.safetensors was saved with (absent in an
+    older checkpoint): a hand edit that keeps the weights' shapes (``n_head``, ``norm_eps``)."""
+    s = meta.get(_HEADER_CONFIG)
+    if s is None:
+        return
+    path, where = ckpt / MODEL_FILE, ckpt / CONFIG_FILE
+    try:
+        saved = GPTConfig.from_dict(json.loads(s), where=f"{path}'s header").to_dict()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the header's {_HEADER_CONFIG} is not a valid GPTConfig ({e})") from None
+    now = config.to_dict()
+    diff = [f"{k} is {now[k]!r} in {where} but the weights in {path} were saved with {k} = {saved[k]!r}"
+            for k in now if k not in _SAME_WEIGHTS_FIELDS and now[k] != saved[k]]
+    if diff:
+        raise CheckpointError(f"{where} does not describe the weights: " + "; ".join(diff))
+
+
+def _checked_weights(model: GPT, ckpt: Path, cfg: dict, verify: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """model.safetensors' tensors and the ``tied`` map, checked against ``model`` (built from
+    config.json): names, dtypes and shapes first (the most precise message), then the hashes of
+    config.json and of the weights, then the config the weights were saved with."""
+    path = ckpt / MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{ckpt}: {MODEL_FILE} is missing")
+    tensors, meta = _read_safetensors(path)
+    tied = cfg.get("tied") or {}
+    _check_weights(model, tensors, tied, path)
+    _verify_config(ckpt, cfg, verify)
+    _verify_file(ckpt, cfg, MODEL_FILE, verify)
+    _check_header(ckpt, model.config, meta)
+    return tensors, tied
+
+
+def load_model(
+    path: str | os.PathLike,
+    device: str | torch.device | None = None,
+    *,
+    verify: bool | None = None,
+) -> tuple[GPT, Any]:
     """Rebuild the model (in eval mode) and its tokenizer (or None) from a checkpoint.
 
     ``path``: see :func:`resolve_checkpoint`. ``device``: where to put the model (default: CPU;
     ``"auto"`` picks like :func:`gptlab.device.pick_device`). Reads safetensors and JSON only.
+
+    ``verify``: check config.json and model.safetensors against the sha256s the manifest records
+    (a checkpoint written before them has none: nothing to check). None (the default): True unless
+    the environment variable ``GPTLAB_VERIFY_CHECKPOINTS`` is ``0``; False skips reading every byte
+    twice, for very large files. The config's fields, the weights' dtypes and shapes, the config
+    the weights were saved with and the tokenizer's size (at most ``vocab_size``) are checked either
+    way. Every problem raises :class:`CheckpointError` naming the file.
     """
     ckpt = resolve_checkpoint(path)
     cfg = _read_config(ckpt)
-    model = _build_model(ckpt, cfg)
+    config = _model_config(ckpt, cfg)
+    tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
+    model = GPT(config)
+    _load_weights(model, *_checked_weights(model, ckpt, cfg, verify_hashes(verify)))
     if device is not None:
         from .device import pick_device
 
         model.to(pick_device(device))
     model.eval()
-    return model, _tokenizer(cfg)
+    return model, tokenizer
 
 
 def load_checkpoint(
@@ -383,6 +531,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     device: str | torch.device | None = None,
+    verify: bool | None = None,
 ) -> tuple[nn.Module, Any, dict | None]:
     """Restore a checkpoint for resuming training.
 
@@ -390,39 +539,53 @@ def load_checkpoint(
     one), else a new model is built. If ``optimizer`` is given (built over that model's
     parameters) its state is restored from ``optimizer.safetensors``. Returns ``(model, tokenizer,
     train_state)``; ``train_state`` is the dict of ``train_state.json`` or None.
+
+    ``verify``: check every file read against the sha256 the manifest records, as in
+    :func:`load_model` (None: True unless ``GPTLAB_VERIFY_CHECKPOINTS=0``). Every problem raises
+    :class:`CheckpointError` naming the file.
     """
+    verify = verify_hashes(verify)
     ckpt = resolve_checkpoint(path)
     cfg = _read_config(ckpt)
-    if model is None:
-        model = _build_model(ckpt, cfg)
-        if device is not None:
-            from .device import pick_device
-
-            model.to(pick_device(device))
+    config = _model_config(ckpt, cfg)
+    tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
+    built = model is None
+    if built:
+        model = raw = GPT(config)
     else:
         raw = unwrap_model(model)
         if not isinstance(raw, GPT):
             raise TypeError(f"model must be a gptlab GPT, got {type(raw).__name__}")
-        saved = GPTConfig(**cfg["model"])
-        if saved != raw.config:
-            raise CheckpointError(f"{ckpt}: the checkpoint's model config {saved} differs from the model's {raw.config}")
-        tensors = _read_safetensors(ckpt / MODEL_FILE)
-        _load_weights(raw, tensors, dict(cfg.get("tied") or {}), ckpt)
+        if config != raw.config:
+            raise CheckpointError(f"{ckpt}: the checkpoint's model config {config} differs from the model's {raw.config}")
+    # every file read and checked before the model or the optimizer changes
+    tensors, tied = _checked_weights(raw, ckpt, cfg, verify)
+    opt_state = None
     if optimizer is not None:
         f = ckpt / OPTIMIZER_FILE
         if not f.is_file():
             raise CheckpointError(f"{ckpt}: {OPTIMIZER_FILE} is missing; this checkpoint cannot resume an optimiser")
-        try:
-            with safe_open(str(f), framework="pt") as sf:
-                meta_s = (sf.metadata() or {}).get("gptlab_optimizer")
-                tensors = {k: sf.get_tensor(k) for k in sf.keys()}
-        except Exception as e:  # as in _read_safetensors
-            raise CheckpointError(f"{f} is not a readable safetensors file (truncated or another format?): {e}") from e
+        opt_tensors, meta = _read_safetensors(f)
+        _verify_file(ckpt, cfg, OPTIMIZER_FILE, verify)
+        meta_s = meta.get("gptlab_optimizer")
         if meta_s is None:
             raise CheckpointError(f"{f}: no 'gptlab_optimizer' metadata in the header")
-        state = optimizer_state_from_tensors(tensors, json.loads(meta_s))
-        optimizer.load_state_dict(state)
+        try:
+            opt_meta = json.loads(meta_s)
+        except json.JSONDecodeError as e:
+            raise CheckpointError(f"{f}: the header's 'gptlab_optimizer' is not valid JSON ({e})") from None
+        opt_state = optimizer_state_from_tensors(opt_tensors, opt_meta)
     train_state = None
     if (ckpt / TRAIN_STATE_FILE).is_file():
         train_state = _read_json(ckpt / TRAIN_STATE_FILE)
-    return model, _tokenizer(cfg), train_state
+        _verify_file(ckpt, cfg, TRAIN_STATE_FILE, verify)
+    elif verify and TRAIN_STATE_FILE in (cfg.get("sha256") or {}):
+        raise CheckpointError(f"{ckpt}: {TRAIN_STATE_FILE} is missing (the manifest {CONFIG_FILE} records it)")
+    _load_weights(raw, tensors, tied)
+    if built and device is not None:
+        from .device import pick_device
+
+        model.to(pick_device(device))
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    return model, tokenizer, train_state

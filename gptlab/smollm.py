@@ -13,7 +13,11 @@ into a float32 ``LlamaForCausalLM`` (:func:`load_smollm2_hf`, the reference impl
 :meth:`gptlab.GPT.from_hf` converts that into a gptlab model (:func:`load_smollm2`).
 
 Parsing the GGUF takes tens of seconds on a CPU, so the converted gptlab weights (safetensors) and
-the tokenizer are cached under ``cache_dir() / "smollm2"``; later loads take a second or two.
+the tokenizer are cached under ``cache_dir() / "smollm2"``; later loads take a second or two. The
+cache's ``config.json`` records the sha256 of each of its files and of its own content: a cache
+from another version is converted again, one that changed after it was written (a flipped byte, an
+edit) is an :class:`gptlab.assets.AssetError` naming the file (``verify=False`` or
+``GPTLAB_VERIFY_CHECKPOINTS=0`` skips the hashes).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .assets import Asset, cache_dir, fetch, register_asset
+from .assets import Asset, AssetError, cache_dir, fetch, register_asset, sha256_file, sha256_json, verify_hashes
 from .files import atomic_dir
 from .model import GPT, GPTConfig
 
@@ -38,7 +42,8 @@ SMOLLM2_GGUF = register_asset(Asset(
     size=98_362_432,
 ))
 
-_FORMAT = 1  # bump when the layout of the converted cache changes
+_FORMAT = 2  # bump when the layout of the converted cache changes (2: the sha256s of its files)
+_META = "config.json"
 
 
 def smollm2_gguf_path(*, quiet: bool = False) -> Path:
@@ -91,27 +96,78 @@ def load_smollm2_hf(device: str | torch.device | None = "cpu", *, quiet: bool = 
     return model.to(device=_device(device), dtype=torch.float32).eval(), tokenizer
 
 
-def _load_converted(folder: Path, device: torch.device, dtype: torch.dtype):
-    """The cached conversion, or None if it is missing, stale or unreadable."""
+def _cache_files(folder: Path) -> list[str]:
+    """Every file of a converted cache but its config.json, as sorted '/'-separated relative paths."""
+    return sorted(name for name in (p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+                  if name != _META)
+
+
+def _verify_converted(folder: Path, meta: dict) -> None:
+    """Each file of the cache against the sha256 its config.json records, and config.json's content
+    against its own; raises AssetError naming the file."""
+    where = folder / _META
+    again = f"delete {folder} to convert the GGUF file again, or pass verify=False to load it unchecked"
+    hashes, digest = meta.get("sha256"), meta.get("config_sha256")
+    if not isinstance(hashes, dict) or not isinstance(digest, str):
+        raise AssetError(f"{where}: no sha256s recorded (format {_FORMAT} records them); {again}")
+    if sha256_json({k: v for k, v in meta.items() if k != "config_sha256"}) != digest:
+        raise AssetError(f"{where}: its content does not match the config_sha256 it records ({digest}): it was "
+                         f"edited after the conversion; {again}")
+    files = _cache_files(folder)
+    extra, lost = sorted(set(files) - set(hashes)), sorted(set(hashes) - set(files))
+    if extra or lost:
+        raise AssetError(f"{folder}: files {extra} are not recorded in {_META}, files {lost} it records are "
+                         f"missing; {again}")
+    for name in files:
+        got = sha256_file(folder / name)
+        if got != hashes[name]:
+            raise AssetError(f"{folder / name}: sha256 {got} does not match the {hashes[name]} recorded in {where} "
+                             f"(damaged or changed after the conversion); {again}")
+
+
+def _load_converted(folder: Path, device: torch.device, dtype: torch.dtype, verify: bool = True):
+    """The cached conversion, or None if it is missing or from another version (convert again).
+
+    A cache of this version whose files do not match the sha256s it records (``verify``) raises
+    :class:`AssetError`, one whose config is not a valid GPTConfig ``TypeError`` or ``ValueError``
+    naming its config.json: each names the file."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
     try:
-        meta = json.loads((folder / "config.json").read_text())
-        if meta.get("format") != _FORMAT or meta.get("source_sha256") != SMOLLM2_GGUF.sha256:
-            return None
-        config = GPTConfig(**meta["config"])
-        model = GPT.from_state_dict(config, load_file(folder / "model.safetensors"))
+        meta = json.loads((folder / _META).read_text())
+    except (OSError, ValueError):
+        return None  # missing or half of another version's: convert again
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or meta.get("source_sha256") != SMOLLM2_GGUF.sha256:
+        return None  # from another version of this module, or of another GGUF file
+    config = GPTConfig.from_dict(meta.get("config"), where=str(folder / _META))
+    if verify:
+        _verify_converted(folder, meta)
+    try:
+        state = load_file(folder / "model.safetensors")
+    except (OSError, SafetensorError) as e:
+        raise AssetError(f"{folder / 'model.safetensors'} is not a readable safetensors file ({e}); delete {folder} "
+                         "to convert the GGUF file again") from e
+    bad = [f"{name} ({t.dtype})" for name, t in state.items() if not t.dtype.is_floating_point]
+    if bad:
+        raise AssetError(f"{folder / 'model.safetensors'}: weights stored as non-floating dtypes: {bad[:4]}; delete "
+                         f"{folder} to convert the GGUF file again")
+    try:
+        model = GPT.from_state_dict(config, state)
+    except (ValueError, RuntimeError) as e:  # names, or shapes (load_state_dict's size mismatch)
+        raise AssetError(f"{folder / 'model.safetensors'} does not fit the config in {folder / _META}: {e}") from None
+    try:
         tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer")
-    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError):
-        return None  # missing, truncated or from another version: convert again
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError):
+        return None  # written by a transformers this one cannot read: convert again
     return model.to(device=device, dtype=dtype).eval(), tokenizer
 
 
 def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
-    """Write model.safetensors + config.json + tokenizer/ into a temporary folder beside
-    ``folder`` and swap it in (:func:`gptlab.files.atomic_dir`), so readers never see half a cache."""
+    """Write model.safetensors + tokenizer/ + config.json (last: the sha256 of each file as written,
+    then of its own content) into a temporary folder beside ``folder`` and swap it in
+    (:func:`gptlab.files.atomic_dir`), so readers never see half a cache."""
     from safetensors.torch import save_file
 
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
@@ -126,7 +182,9 @@ def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
     with atomic_dir(folder) as tmp:
         save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         tokenizer.save_pretrained(tmp / "tokenizer")
-        (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        meta["sha256"] = {name: sha256_file(tmp / name) for name in _cache_files(tmp)}
+        meta["config_sha256"] = sha256_json(json.loads(json.dumps(meta)))
+        (tmp / _META).write_text(json.dumps(meta, indent=2) + "\n")
 
 
 def load_smollm2(
@@ -136,6 +194,7 @@ def load_smollm2(
     hf_model=None,
     hf_tokenizer=None,
     quiet: bool = True,
+    verify: bool | None = None,
 ):
     """SmolLM2-135M-Instruct as a gptlab :class:`GPT`, and its tokenizer.
 
@@ -145,6 +204,9 @@ def load_smollm2(
         hf_model, hf_tokenizer: an already loaded :func:`load_smollm2_hf` pair to convert when the
             cache is cold (saves parsing the GGUF file a second time).
         quiet: no progress messages.
+        verify: check the cached conversion's files against the sha256s its config.json records
+            (None: yes unless ``GPTLAB_VERIFY_CHECKPOINTS=0``; hashing the 540 MB of weights takes
+            about a second). A mismatch raises :class:`gptlab.assets.AssetError` naming the file.
 
     Returns:
         ``(model, tokenizer)``: the model in eval mode; the tokenizer is HF's (``encode(str) ->
@@ -156,7 +218,7 @@ def load_smollm2(
     dev = _device(device)
     folder = converted_dir()
     t0 = time.perf_counter()
-    cached = _load_converted(folder, dev, dtype) if folder.is_dir() else None
+    cached = _load_converted(folder, dev, dtype, verify_hashes(verify)) if folder.is_dir() else None
     if cached is not None:
         if not quiet:
             print(f"SmolLM2: loaded cached gptlab weights from {folder} in {time.perf_counter() - t0:.1f} s")

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .assets import ASSETS, atomic_write_json, fetch
+from .assets import ASSETS, atomic_write_json, fetch, sha256_file
 
 __all__ = [
     "CharTokenizer",
@@ -169,12 +169,24 @@ def _tiktoken_no_cache():
             os.environ["TIKTOKEN_CACHE_DIR"] = old
 
 
+def _check_gpt2_file(path: str, asset_name: str) -> None:
+    """``path`` holds GPT-2's file (its sha256 is the asset's): tiktoken, told not to cache, checks
+    no hash, and a wrong file fails inside it with a bare AssertionError or loads other merges."""
+    asset = ASSETS[asset_name]
+    got = sha256_file(path)
+    if got != asset.sha256:
+        raise ValueError(f"{path}: sha256 {got}, expected {asset.sha256}: not GPT-2's "
+                         f"{Path(asset.filename).name} (a damaged or different file)")
+
+
 def _gpt2_encoding(vocab_bpe: str, encoder_json: str):
     key = (vocab_bpe, encoder_json)
     if key not in _GPT2_ENCODINGS:
         import tiktoken
         import tiktoken.load
 
+        _check_gpt2_file(vocab_bpe, "gpt2-vocab-bpe")
+        _check_gpt2_file(encoder_json, "gpt2-encoder-json")
         with _tiktoken_no_cache():
             ranks = tiktoken.load.data_gym_to_mergeable_bpe_ranks(
                 vocab_bpe, encoder_json,
@@ -192,7 +204,9 @@ class GPT2Tokenizer:
     """GPT-2's byte-level BPE (50,257 ids, ``<|endoftext|>`` = 50256) via ``tiktoken``.
 
     Built from the sha256-verified ``vocab.bpe`` and ``encoder.json`` (fetched through
-    :func:`gptlab.assets.fetch`, so it works offline), not from ``tiktoken.get_encoding``.
+    :func:`gptlab.assets.fetch`, so it works offline), not from ``tiktoken.get_encoding``. Files
+    given by path are checked too: one whose sha256 is not GPT-2's raises ``ValueError`` naming it
+    and the expected sha256.
     """
 
     eot_token: int = 50256
