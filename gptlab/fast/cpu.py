@@ -100,9 +100,11 @@ def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
     out, inp = weight.shape
     part = -(-out // parts)
     with torch.no_grad():
-        padded = weight.new_zeros(parts * part, inp)
-        padded[:out] = weight
-        blocks = padded.view(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
+        padded = weight
+        if parts * part != out:  # zero rows pad the last block (else the weight is copied once, here:)
+            padded = weight.new_zeros(parts * part, inp)
+            padded[:out] = weight
+        blocks = padded.reshape(parts, part, inp).transpose(1, 2).contiguous()  # (P, in, part)
         bias_blocks = None
         if bias is not None:
             bias_blocks = bias.new_zeros(parts * part)
