@@ -217,6 +217,11 @@ ATTACKS = [
     ("import torch.multiprocessing as mp", "torch.multiprocessing"),
     ("import sys\nsys.path.insert(0, '/tmp/answers')", "sys.path"),
     ("import sys as s\ns.path[:0] = ['/tmp/answers']", "sys.path"),
+    ("open('helper.py', 'w').write('from gptlab.masks import causal_mask')\nfrom helper import causal_mask",
+     "not an installed module"),
+    ("from .helper import causal_mask", "a file beside the notebook"),
+    ("from torch.utils import cpp_extension\nm = cpp_extension.load_inline('m', '')", "native code"),
+    ("from torch.utils.cpp_extension import load_inline", "cpp_extension"),
 ]
 
 
@@ -379,7 +384,13 @@ def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
         "markdown": (fair_md, CM_FULL, "causal_mask: correct"),
         "loop": (r.answer("causal_mask", "def causal_mask(T):\n    while True:\n        pass\n"), CM_MASK_LOST,
                  f"stopped after {TIMEOUT} s"),
+        # with HELPER_FILE beside the notebook in the submission folder
+        "extra_file": (r.answer("causal_mask", "from helper import causal_mask\n"), CM_ZERO, "not an installed module"),
     }
+
+
+HELPER_FILE = ("import sys\nfrom gptlab.masks import causal_mask as _reference\n\n"
+               "def causal_mask(T):\n    sys.setprofile(None)\n    return _reference(T)\n")
 
 
 @pytest.fixture(scope="module")
@@ -395,6 +406,7 @@ def autograded(tmp_path_factory):
         (inbox / student).mkdir()
         (inbox / student / "causal_mask.ipynb").write_text(json.dumps(nb))
         plan[("causal_mask", student)] = (expected, says)
+    (inbox / "extra_file" / "helper.py").write_text(HELPER_FILE)
     assert main(["course", "collect", str(inbox), "--assignment", "causal_mask", "--course", str(root)]) == 0
     kv = _Release(root, "kv_cache")
     from gptlab.grading.kv_cache import _BYTES_CASES
@@ -424,7 +436,17 @@ def _outputs(root: Path, name: str, student: str) -> str:
 
 
 STUDENTS = ["solution", "blank", "hook_ipython", "displayhook", "meta_path", "subclass", "buffer8", "setprofile",
-            "alias", "thread", "exec_source", "solution_file", "warns", "markdown", "loop"]
+            "alias", "thread", "exec_source", "solution_file", "warns", "markdown", "loop", "extra_file"]
+
+
+@pytest.mark.slow
+def test_files_beside_the_notebook_are_not_there_while_grading(autograded):
+    """A learner's helper.py (or torch.py, sitecustomize.py) in the submission folder is removed before
+    the kernel starts in it, and the feedback says so."""
+    _, _, results = autograded
+    notes = [n["message"] for n in results[("causal_mask", "extra_file")]["notes"] if n["kind"] == "ignored_files"]
+    assert notes and "helper.py" in notes[0], results[("causal_mask", "extra_file")]["notes"]
+    assert not [n for n in results[("causal_mask", "solution")]["notes"] if n["kind"] == "ignored_files"]
 
 
 @pytest.mark.slow

@@ -309,6 +309,11 @@ def grade_student(job: dict) -> dict:
     with Gradebook(db_url) as gb:
         notebooks = [nb.name for nb in gb.find_assignment(assignment).notebooks]
         references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
+    extra = _keep_only_notebooks(staged, notebooks)
+    if extra:
+        notes.append({"notebook": None, "cell": None, "kind": "ignored_files",
+                      "message": f"not graded and not present while grading: {', '.join(extra)} (only the "
+                                 "assignment's notebooks are; code in other files would not be in the notebook)."})
     for nb_name in notebooks:
         path = staged / f"{nb_name}.ipynb"
         if not path.is_file():
@@ -365,6 +370,29 @@ def grade_student(job: dict) -> dict:
     result["seconds"] = time.perf_counter() - t0
     shutil.rmtree(scratch, ignore_errors=True)
     return result
+
+
+_NBGRADER_FILES = {"timestamp.txt"}
+"""Files nbgrader itself keeps in a submission folder (the submission time)."""
+
+
+def _keep_only_notebooks(folder: Path, notebooks: list[str]) -> list[str]:
+    """Remove from the staged submission ``folder`` everything but the assignment's notebooks and
+    nbgrader's own files; returns what was removed (sorted names, folders with a ``/``).
+
+    The kernel runs in this folder, where a learner's ``evil.py``, ``torch.py``, ``gptlab/`` or
+    ``sitecustomize.py`` would be importable: code the source scan never sees."""
+    keep = {f"{nb}.ipynb" for nb in notebooks} | _NBGRADER_FILES
+    removed = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name in keep and entry.is_file() and not entry.is_symlink():
+            continue
+        removed.append(entry.name + ("/" if entry.is_dir() and not entry.is_symlink() else ""))
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    return removed
 
 
 # --------------------------------------------------------------------------- the main process

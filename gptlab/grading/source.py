@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
+import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -322,6 +325,8 @@ _TAMPER_ATTRS = {
     "ops": "it calls PyTorch's operator library directly (torch.ops)",
     "overrides": "it uses PyTorch's override machinery",
     "library": "it defines PyTorch operators",
+    "cpp_extension": "it compiles and loads native code, which the notebook's source does not show",
+    "load_library": "it loads native code, which the notebook's source does not show",
     "input_transformers_post": "it installs an IPython input transformer",
     "input_transformers_cleanup": "it installs an IPython input transformer",
     "ast_transformers": "it installs an IPython AST transformer",
@@ -342,9 +347,31 @@ _TAMPER_MODULES = {
     "runpy", "pdb", "bdb", "trace", "socket", "atexit", "sysconfig", "torch._C", "torch.ops", "torch.overrides",
     "torch.library", "torch.utils._python_dispatch", "torch._VF", "torch._ops", "torch._dynamo", "asyncio",
     "types", "operator", "dis", "tracemalloc", "faulthandler", "sitecustomize", "usercustomize", "site",
-    "pkgutil", "zipimport", "imp", "torch.multiprocessing",
+    "pkgutil", "zipimport", "imp", "torch.multiprocessing", "torch.utils.cpp_extension", "cffi",
 }
 _PATH_MUTATORS = {"append", "insert", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
+
+
+def _installed(name: str) -> bool:
+    """Whether the top-level module ``name`` is part of the environment (the standard library or an
+    installed package, gptlab included) rather than a file beside the notebook, which a cell can
+    write and then import: code the source scan never sees. Finds, never imports."""
+    if name in sys.builtin_module_names or name in getattr(sys, "stdlib_module_names", ()) or name == "gptlab":
+        return True
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    here = os.path.realpath(os.getcwd())
+    if spec.submodule_search_locations:  # a package: the folders that hold it
+        folders = [os.path.dirname(os.path.realpath(p)) for p in spec.submodule_search_locations]
+    elif spec.origin and spec.has_location:  # a module file: its folder
+        folders = [os.path.dirname(os.path.realpath(spec.origin))]
+    else:
+        return True  # builtin or frozen
+    return bool(folders) and here not in folders
 
 
 def tampering(program: Program) -> list[Finding]:
@@ -366,6 +393,15 @@ def tampering(program: Program) -> list[Finding]:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 if isinstance(node, ast.ImportFrom) and node.module in ("sys", "torch", "types", "os"):
                     names += [f"{node.module}.{a.name}" for a in node.names]
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    add(cell, node, "it imports a module from a file beside the notebook, whose code is not in "
+                                    "the notebook")
+                    continue
+                local = next((n for n in names if n and not _installed(n.split(".")[0])), None)
+                if local:
+                    add(cell, node, f"it imports {local.split('.')[0]}, which is not an installed module: a file "
+                                    "beside the notebook, whose code is not in the notebook")
+                    continue
                 for n in names:
                     if n in _TAMPER_MODULES or n.split(".")[0] in _TAMPER_MODULES or \
                             any(n == m or n.startswith(m + ".") for m in _TAMPER_MODULES if "." in m) or \
