@@ -220,7 +220,9 @@ ATTACKS = [
     ("open('helper.py', 'w').write('from gptlab.masks import causal_mask')\nfrom helper import causal_mask",
      "not an installed module"),
     ("from .helper import causal_mask", "a file beside the notebook"),
-    ("from torch.utils import cpp_extension\nm = cpp_extension.load_inline('m', '')", "native code"),
+    ("from torch.utils import cpp_extension\nm = cpp_extension.load_inline('m', '')", "cpp_extension"),
+    ("import torch.utils.cpp_extension as ce", "cpp_extension"),
+    ("torch.ops.load_library('evil.so')", "torch.ops"),
     ("from torch.utils.cpp_extension import load_inline", "cpp_extension"),
 ]
 

@@ -391,7 +391,7 @@ def tampering(program: Program) -> list[Finding]:
         for node in ast.walk(cell.tree):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and node.module in ("sys", "torch", "types", "os"):
+                if isinstance(node, ast.ImportFrom) and node.module:  # from torch.utils import cpp_extension
                     names += [f"{node.module}.{a.name}" for a in node.names]
                 if isinstance(node, ast.ImportFrom) and node.level:
                     add(cell, node, "it imports a module from a file beside the notebook, whose code is not in "
