@@ -6,6 +6,7 @@
 * ``GPTLAB_SEED_DIR`` defaults to ``../shared/data`` when that folder exists (development machines
   and CI), so the data cache can be seeded offline; the project works without it.
 * Tests marked ``gpu`` are skipped, with the reason, when no CUDA device is available.
+* A test that changes torch's thread count (training with ``num_threads``) gets it restored after.
 """
 
 from __future__ import annotations
@@ -38,6 +39,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    """Every test ends with torch's thread count as it began (training sets its own)."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -28,13 +28,6 @@ from gptlab.train import (LOCK_FILE, LockError, RunFolderError, Trainer, Trainin
                           overwrite_backup, read_metrics, set_run_aside, train)
 
 
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
-
-
 def small(**kw):
     """The tiny recipe, a few steps."""
     base = dict(max_steps=12, eval_interval=6, eval_tokens=2048, progress=False, num_threads=1, plot=False)
