@@ -16,10 +16,10 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
   would alone.
 * Every step calls the model's decoding API, :meth:`gptlab.GPT.decode` (its one forward path,
   with a cache). Speculative decoding (:mod:`gptlab.speculative`) calls the same API.
-* ``fast=True`` (the default): on a CPU, for the length of the call, the model's linear layers that
-  are faster so on this machine are swapped for ones that multiply by a copy of their weights packed
-  in row blocks, every core streaming its own (:func:`gptlab.fast.cpu.pack_for_decoding`); the
-  originals are back when the call returns. A batch-1 step's time goes mostly into reading the
+* ``fast=True`` (the default): on a CPU, for the length of the call, the model's linear layers are
+  swapped for ones that multiply by a copy of their weights packed in row blocks, every core
+  streaming its own, wherever a calibration found that faster on this machine
+  (:func:`gptlab.fast.cpu.pack_for_decoding`); the originals are back when the call returns. A batch-1 step's time goes mostly into reading the
   weights, so this is what makes it fast. ``fast=False`` runs the model as it is.
   ``python -m gptlab bench generate`` measures both.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
