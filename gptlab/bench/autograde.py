@@ -122,7 +122,7 @@ def _fresh_gradebook(course: Path) -> None:
 
 def run(args) -> int:
     from ..course import Course, release
-    from ..course._common import CourseError
+    from ..course import CourseError
     from ..course.autograde import autograde
 
     src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
@@ -246,7 +246,7 @@ def run(args) -> int:
         flag = f"   (declared limit {limits[k]:g} s)" if k in limits else ("   OVER 5 s" if s >= 5 else "")
         print(f"  {k:60s} {s:6.2f}{flag}")
     if args.json:
-        from ..course._common import atomic_write
+        from ..files import atomic_write_text as atomic_write
 
         atomic_write(Path(args.json), json.dumps(fig, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -30,7 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ._common import Course, CourseError, atomic_write, run_converter
+from ..files import atomic_write_text as atomic_write
+from ._common import Course, CourseError, run_converter
 
 __all__ = ["Course", "CourseError", "release", "feedback", "grades_table", "write_grades", "register_cli"]
 

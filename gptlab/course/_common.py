@@ -10,12 +10,11 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["Course", "CourseError", "run_converter", "atomic_write", "NOTES_DIR"]
+__all__ = ["Course", "CourseError", "run_converter", "NOTES_DIR"]
 
 NOTES_DIR = ".gptlab"
 """Folder under ``autograded/`` with the autograder's notes, ``<assignment>/<student>.json``.
@@ -127,21 +126,3 @@ def run_converter(cls, coursedir, config, **attrs) -> tuple[bool, str]:
         app.log.removeHandler(handler)
         app.log.setLevel(old_level)
     return ok, buf.getvalue()
-
-
-def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write a file through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-

@@ -44,7 +44,8 @@ import threading
 import time
 from pathlib import Path
 
-from ._common import Course, CourseError, atomic_write, run_converter
+from ..files import atomic_write_text as atomic_write
+from ._common import Course, CourseError, run_converter
 
 __all__ = ["autograde", "check_notebook", "grade_student", "missing_summary"]
 
