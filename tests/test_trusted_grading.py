@@ -233,6 +233,39 @@ def test_tampering_is_found(code, says):
     assert found and any(says in f.why or says in f.code for f in found), [f.text() for f in found]
 
 
+def test_an_import_that_is_not_installed_is_tampering_only_if_the_notebook_writes_files():
+    """`from google.colab import drive` in a Colab learner's notebook fails in the autograder's kernel
+    (that cell only), it is not tampering; with a file written anywhere it is (the module may be it)."""
+    assert source.tampering(_program("from google.colab import drive\ndrive.mount('/content/drive')")) == []
+    found = source.tampering(_program("from google.colab import drive\nimport logging\n"
+                                      "logging.basicConfig(filename='google.py')"))
+    assert found and "writes files" in found[0].why
+    for writes in ("open(name, 'w')", "open('x', mode='a')", "f = open", "Path('x.py').write_text('')",
+                   "import shutil\nshutil.copy('a', 'b')", "import os\nos.rename('a', 'b')",
+                   "import numpy as np\nnp.savetxt('a.py', [], header='import gptlab')"):
+        assert source.file_writes(_program(writes)), writes
+    for reads in ("open('x')", "open('x', 'rb')", "with open(p, mode='r') as f:\n    pass", "s.replace('a', 'b')"):
+        assert source.file_writes(_program(reads)) == [], reads
+
+
+def test_a_module_written_while_grading_is_found(tmp_path, monkeypatch):
+    import time
+
+    program = _program("import helper\nimport numpy\nfrom json import dumps")
+    since = time.time() - 1
+    assert source.planted_modules(program, tmp_path, since) == []
+    (tmp_path / "helper.py").write_text("x = 1\n")
+    assert source.planted_modules(program, tmp_path, since) == ["helper (written beside the notebook)"]
+    # on the import path (a site-packages a kernel could write to), newer than the grading's start
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "helper2.py").write_text("x = 1\n")
+    monkeypatch.syspath_prepend(str(site))
+    found = source.planted_modules(_program("import helper2"), None, since)
+    assert len(found) == 1 and "while the notebook was graded" in found[0]
+    assert source.planted_modules(_program("import helper2"), None, time.time() + 60) == []
+
+
 def test_honest_code_is_not_tampering():
     code = ("import math, sys\nimport numpy as np\nfrom typing import Optional\n"
             "class Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
@@ -341,6 +374,10 @@ CM_ZERO = {k: 0.0 for k in CM_FULL}
 CM_MASK_LOST = {**CM_ZERO, "test_combine_masks": 3.0}
 
 
+HELPER_FILE = ("import sys\nfrom gptlab.masks import causal_mask as _reference\n\n"
+               "def causal_mask(T):\n    sys.setprofile(None)\n    return _reference(T)\n")
+
+
 def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
     """student -> (notebook, expected scores, a phrase the test cells' outputs must contain)."""
     hook = ("ip = get_ipython()\nip.input_transformers_post.append(\n"
@@ -386,13 +423,17 @@ def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
         "markdown": (fair_md, CM_FULL, "causal_mask: correct"),
         "loop": (r.answer("causal_mask", "def causal_mask(T):\n    while True:\n        pass\n"), CM_MASK_LOST,
                  f"stopped after {TIMEOUT} s"),
-        # with HELPER_FILE beside the notebook in the submission folder
-        "extra_file": (r.answer("causal_mask", "from helper import causal_mask\n"), CM_ZERO, "not an installed module"),
+        # with HELPER_FILE beside the notebook in the submission folder: removed before the kernel starts, so the
+        # import fails and causal_mask is not defined
+        "extra_file": (r.answer("causal_mask", "from helper import causal_mask\n"), CM_MASK_LOST,
+                       "is not defined in your notebook"),
+        # a module written by a cell in a way the source scan does not see as a file write (ndarray.tofile): found
+        # in the kernel's folder at the test (if tofile joins the scan's list, this tests the scan instead)
+        "planted": (r.answer("causal_mask", "import numpy as np\n"
+                                            f"np.frombuffer({HELPER_FILE.encode()!r}, dtype=np.uint8).tofile('helper.py')\n"
+                                            "from helper import causal_mask\n"), CM_ZERO, "that it wrote while it ran"),
     }
 
-
-HELPER_FILE = ("import sys\nfrom gptlab.masks import causal_mask as _reference\n\n"
-               "def causal_mask(T):\n    sys.setprofile(None)\n    return _reference(T)\n")
 
 
 @pytest.fixture(scope="module")
@@ -438,7 +479,7 @@ def _outputs(root: Path, name: str, student: str) -> str:
 
 
 STUDENTS = ["solution", "blank", "hook_ipython", "displayhook", "meta_path", "subclass", "buffer8", "setprofile",
-            "alias", "thread", "exec_source", "solution_file", "warns", "markdown", "loop", "extra_file"]
+            "alias", "thread", "exec_source", "solution_file", "warns", "markdown", "loop", "extra_file", "planted"]
 
 
 @pytest.mark.slow

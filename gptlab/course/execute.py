@@ -140,7 +140,8 @@ class GptlabExecute(Execute):
         if notebook:
             from .secret import load_secret
 
-            self._trusted = TrustedGrader(nb.cells, notebook, load_secret())
+            folder = ((resources or {}).get("metadata") or {}).get("path")  # where the kernel runs
+            self._trusted = TrustedGrader(nb.cells, notebook, load_secret(), folder=folder)
         for cell in nb.cells:  # the learner's shell escapes are not run, nor the Colab set-up cell
             meta = cell.get("metadata", {}).get("nbgrader", {})
             if cell.cell_type == "code" and is_setup_source(cell.source):

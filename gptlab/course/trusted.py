@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,9 +69,11 @@ def learner_cells(cells) -> list[tuple[int, str, bool]]:
 class TrustedGrader:
     """Verdicts for the test cells of one submitted notebook (see the module docstring)."""
 
-    def __init__(self, cells, notebook: str, secret: bytes):
+    def __init__(self, cells, notebook: str, secret: bytes, folder: str | None = None):
         self.notebook = notebook
         self.secret = secret
+        self.folder = folder  # the kernel's working folder (only the notebooks when it starts)
+        self.started = time.time()
         self.program = source.Program(learner_cells(cells))
         self.tampered = source.tampering(self.program)
         self.hung: dict[str, str] = {}  # learner name -> the note of its timeout
@@ -93,11 +96,24 @@ class TrustedGrader:
         for name in sorted(reached & set(self.hung)):
             return Verdict(False, f"{label} was not checked: it uses {name}, which was stopped earlier: "
                                   f"{self.hung[name]}", "timeout")
+        planted = self._planted(label)
+        if planted:
+            return planted
         conn = connect()
         try:
-            return self._run(task, label, grade_id, conn)
+            verdict = self._run(task, label, grade_id, conn)
         finally:
             conn.done()
+        return self._planted(label) or verdict
+
+    def _planted(self, label: str) -> Verdict | None:
+        """A tampering verdict when the notebook imports a module written while it was graded."""
+        planted = source.planted_modules(self.program, self.folder, self.started)
+        if not planted:
+            return None
+        return Verdict(False, f"{label} was not graded: this notebook imports a module that it wrote while it "
+                              f"ran: {', '.join(planted)}. Its code is not in the notebook, which a graded notebook "
+                              "must hold entirely.", "tampering")
 
     def _run(self, task: Task, label: str, grade_id: str, conn: remote.Connection) -> Verdict:
         handles = []

@@ -32,7 +32,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Finding", "Program", "neutralise_shell", "tampering", "delegation", "bound_names"]
+__all__ = ["Finding", "Program", "neutralise_shell", "tampering", "delegation", "bound_names", "file_writes",
+           "imported_modules", "planted_modules"]
 
 
 @dataclass(frozen=True)
@@ -374,10 +375,86 @@ def _installed(name: str) -> bool:
     return bool(folders) and here not in folders
 
 
+_WRITE_PATHS = ("shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move",
+                "shutil.unpack_archive", "os.rename", "os.replace", "os.link", "os.symlink", "os.write", "os.open",
+                "os.fdopen", "io.FileIO", "logging.FileHandler", "logging.basicConfig", "tempfile", "numpy.savetxt",
+                "numpy.save", "tarfile", "zipfile", "urllib.request.urlretrieve", "codecs.open")
+_WRITE_ATTRS = ("write_text", "write_bytes", "urlretrieve", "symlink_to", "hardlink_to", "extractall", "savetxt",
+                "FileHandler")
+
+
+def file_writes(program: Program) -> list[Finding]:
+    """Where the learner's cells may write a file: ``open`` with a mode that writes (or ``open``
+    passed around rather than called), ``Path.write_text``, ``shutil``, ``os.rename``, downloads,
+    logging to a file... A cell can write a module and import it (:func:`tampering`)."""
+    found: list[Finding] = []
+    for cell in program.cells:
+        if not cell.learner:
+            continue
+        calls = {id(n.func): n for n in ast.walk(cell.tree) if isinstance(n, ast.Call)}
+        for node in ast.walk(cell.tree):
+            why = None
+            if isinstance(node, ast.Name) and node.id == "open" and node.id not in program.defs:
+                call = calls.get(id(node))
+                mode = None if call is None else (call.args[1] if len(call.args) > 1 else next(
+                    (k.value for k in call.keywords if k.arg == "mode"), ast.Constant("r")))
+                if call is None or not (isinstance(mode, ast.Constant) and isinstance(mode.value, str)
+                                        and not set(mode.value) & set("wax+")):
+                    why = "it writes a file"
+            elif isinstance(node, ast.Attribute) and node.attr in _WRITE_ATTRS:
+                why = "it writes a file"
+            elif isinstance(node, ast.Attribute | ast.Name) and any(
+                    p == w or p.startswith(w + ".") for p in _paths(node, program.aliases) for w in _WRITE_PATHS):
+                why = "it writes a file"
+            if why:
+                found.append(Finding(cell.number, getattr(node, "lineno", 1), program.code(cell, node), why))
+    return found
+
+
+def imported_modules(program: Program) -> set[str]:
+    """The top-level names of every module the learner's cells import (``a`` of ``import a.b``)."""
+    out: set[str] = set()
+    for cell in program.cells:
+        if cell.learner:
+            for node in ast.walk(cell.tree):
+                if isinstance(node, ast.Import):
+                    out |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    out.add(node.module.split(".")[0])
+    return out
+
+
+def planted_modules(program: Program, folder: str | os.PathLike | None, since: float) -> list[str]:
+    """Modules the notebook imports that were written while it was graded: a file or folder of that
+    name in the kernel's ``folder`` (which held only the notebooks when the kernel started), or a
+    module file found on the import path that was modified after ``since`` (a time.time())."""
+    found = []
+    for name in sorted(imported_modules(program)):
+        if folder is not None:
+            base = os.path.join(os.fspath(folder), name)
+            if os.path.exists(base + ".py") or os.path.isdir(base) or any(
+                    f.startswith(name + ".") and f.endswith((".so", ".pyd", ".pyc"))
+                    for f in os.listdir(folder)):
+                found.append(f"{name} (written beside the notebook)")
+                continue
+        if name in sys.builtin_module_names:
+            continue
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        paths = [spec.origin] if spec is not None and spec.origin and spec.has_location else []
+        paths += list(spec.submodule_search_locations or []) if spec is not None else []
+        if any(os.path.exists(p) and os.path.getmtime(p) > since for p in paths):
+            found.append(f"{name} (written to {paths[0]} while the notebook was graded)")
+    return found
+
+
 def tampering(program: Program) -> list[Finding]:
     """Code anywhere in the learner's cells that can change how code runs or how results are
     reported (see the module docstring). An empty list for an honest notebook."""
     found: list[Finding] = []
+    writes = file_writes(program)
     modules = {name for name, paths in program.aliases.items()
                if any(p.split(".")[0] in ("torch", "gptlab", "numpy", "math", "sys", "os", "builtins") for p in paths)}
 
@@ -397,10 +474,11 @@ def tampering(program: Program) -> list[Finding]:
                     add(cell, node, "it imports a module from a file beside the notebook, whose code is not in "
                                     "the notebook")
                     continue
-                local = next((n for n in names if n and not _installed(n.split(".")[0])), None)
+                local = next((n for n in names if n and not _installed(n.split(".")[0])), None) if writes else None
                 if local:
-                    add(cell, node, f"it imports {local.split('.')[0]}, which is not an installed module: a file "
-                                    "beside the notebook, whose code is not in the notebook")
+                    add(cell, node, f"it imports {local.split('.')[0]}, which is not an installed module, and the "
+                                    f"notebook writes files ({writes[0].code}): a module written from the notebook "
+                                    "runs code that is not in its source")
                     continue
                 for n in names:
                     if n in _TAMPER_MODULES or n.split(".")[0] in _TAMPER_MODULES or \
