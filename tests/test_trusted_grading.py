@@ -200,6 +200,8 @@ def test_the_solutions_have_no_tampering_or_delegation(name):
 ATTACKS = [
     ("get_ipython().input_transformers_post.append(lambda lines: lines)", "IPython"),
     ("import sys\nsys.displayhook('ok')", "how results are shown"),
+    ("import IPython.display\nip = IPython.get_ipython()", "reaches into IPython"),
+    ("from IPython import get_ipython", "IPython"),
     ("import sys\nsys.meta_path.insert(0, object())", "import hook"),
     ("import sys as s\ns.setprofile(None)", "profiling hook"),
     ("class Yes(torch.Tensor):\n    pass", "subclass of torch.Tensor"),
@@ -271,7 +273,9 @@ def test_honest_code_is_not_tampering():
             "class Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
             "        self.ln = torch.nn.LayerNorm(4)\n        for m in self.modules():\n            pass\n"
             "def f(x):\n    print('debug', file=sys.stderr)\n    return torch.tril(x) + math.sqrt(2)\n"
-            "%matplotlib inline\nprint(f(torch.ones(2, 2)))\nx = torch.ones(3)\nx.data = x.data * 2\n")
+            "%matplotlib inline\nprint(f(torch.ones(2, 2)))\nx = torch.ones(3)\nx.data = x.data * 2\n"
+            "from IPython.display import display, clear_output, Markdown\nfrom IPython import display as d\n"
+            "import IPython.display\nclear_output(wait=True)\ndisplay(Markdown('**ok**'))\n")
     assert source.tampering(_program(code)) == []
 
 

@@ -328,6 +328,7 @@ _TAMPER_ATTRS = {
     "library": "it defines PyTorch operators",
     "cpp_extension": "it compiles and loads native code, which the notebook's source does not show",
     "load_library": "it loads native code, which the notebook's source does not show",
+    "get_ipython": "it reaches into IPython, which runs the notebook's code",
     "input_transformers_post": "it installs an IPython input transformer",
     "input_transformers_cleanup": "it installs an IPython input transformer",
     "ast_transformers": "it installs an IPython AST transformer",
@@ -350,6 +351,9 @@ _TAMPER_MODULES = {
     "types", "operator", "dis", "tracemalloc", "faulthandler", "sitecustomize", "usercustomize", "site",
     "pkgutil", "zipimport", "imp", "torch.multiprocessing", "torch.utils.cpp_extension", "cffi",
 }
+_DISPLAY_MODULES = {"IPython.display", "IPython.core.display"}
+"""Showing results (``display``, ``clear_output``, ``Markdown``): fair to import; reaching IPython itself
+through them (``get_ipython``) is still found."""
 _PATH_MUTATORS = {"append", "insert", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
 
 
@@ -470,6 +474,10 @@ def tampering(program: Program) -> list[Finding]:
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                 if isinstance(node, ast.ImportFrom) and node.module:  # from torch.utils import cpp_extension
                     names += [f"{node.module}.{a.name}" for a in node.names]
+                if isinstance(node, ast.ImportFrom) and node.module == "IPython" and \
+                        all(a.name == "display" for a in node.names):
+                    names = ["IPython.display"]
+                names = [n for n in names if not any(n == m or n.startswith(m + ".") for m in _DISPLAY_MODULES)]
                 if isinstance(node, ast.ImportFrom) and node.level:
                     add(cell, node, "it imports a module from a file beside the notebook, whose code is not in "
                                     "the notebook")
