@@ -19,8 +19,11 @@ pytestmark = pytest.mark.smollm
 
 PROMPT = "The capital of France is"
 # float32 through 30 layers; the implementations may order their sums differently (fused q/k/v
-# and gate/up matmuls in gptlab). Measured on x86 CPU, torch 2.13: max |difference| 0 (bit-identical).
+# and gate/up matmuls in gptlab). Measured on x86 CPU, torch 2.13: max |difference| 0 (bit-identical)
+# on the default (AVX-512) path, 1.05e-4 on logits up to 27.4 (4e-6 relative) under
+# ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE: the logits are compared relative to their size.
 ATOL = 1e-4
+RTOL_OF_MAX = 2e-5
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,8 @@ def test_logits_match_hf(hf, ours):
             got, _ = ours[0](x)
         diff = (got - ref).abs().max().item()
         worst = max(worst, diff)
-        assert diff < ATOL, f"{text!r}: max |logit difference| {diff:.2e} (logits up to {ref.abs().max():.1f})"
+        tol = ATOL + RTOL_OF_MAX * ref.abs().max().item()
+        assert diff < tol, f"{text!r}: max |logit difference| {diff:.2e} (logits up to {ref.abs().max():.1f})"
         assert torch.equal(got.argmax(-1), ref.argmax(-1))
     print(f"\nmax |gptlab - HF| logits over {len(prompts)} prompts: {worst:.2e}")
 

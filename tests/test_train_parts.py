@@ -100,7 +100,8 @@ def test_collectives_with_two_gloo_processes(tmp_path):
         assert out["t_after_mean"] == [float(rank + 1), 10.0 * rank]
         assert out["gathered"] == [{"rank": 0}, {"rank": 1}]
         assert out["sum_is_same_tensor"] and out["sum"] == 3.0
-        assert out["val_shared"] == pytest.approx(out["val_alone"], rel=1e-12)
+        # float32 partial sums added in another order (per rank, then across ranks): equal to float32 precision
+        assert out["val_shared"] == pytest.approx(out["val_alone"], rel=1e-6)
         assert json.loads((tmp_path / f"closed{rank}.json").read_text()) is True
 
 
