@@ -53,6 +53,9 @@ def _imports(name: str, path: Path, mods: dict) -> tuple[set[str], list[str]]:
                 base = node.module or ""
             if not base.startswith("gptlab"):
                 continue
+            parent, _, last = base.rpartition(".")
+            if last.startswith("_") and not last.startswith("__") and _package(name, path) != parent:
+                private.append(f"{name} imports the private module {base}")  # another package's _common
             for a in node.names:
                 if f"{base}.{a.name}" in mods:  # from . import hf
                     deps.add(f"{base}.{a.name}")
