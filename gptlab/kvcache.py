@@ -44,24 +44,23 @@ CACHE_IMPLS = ("static", "concat", "sliding")
 
 
 def kv_cache_bytes(
-    n_layer,
-    n_kv_head: int | None = None,
-    head_dim: int | None = None,
-    seq_len: int | None = None,
+    n_layer: int,
+    n_kv_head: int,
+    head_dim: int,
+    seq_len: int,
     batch: int = 1,
     bytes_per_elem: int = 4,
-    **config_kwargs,
 ) -> int:
     """Bytes a KV cache needs: ``2 (k and v) * n_layer * batch * n_kv_head * seq_len * head_dim
     * bytes_per_elem``, all plain numbers (``bytes_per_elem``: 4 for float32, 2 for bfloat16).
 
     Grouped-query attention caches ``n_kv_head < n_head`` heads, which divides the figure by
-    ``n_head / n_kv_head``. (``kv_cache_bytes(config, batch_size, seq_len, dtype, window)``, a
-    model config first, is :func:`kv_cache_bytes_for`.)
+    ``n_head / n_kv_head``. For a model config, use :func:`kv_cache_bytes_for`.
     """
-    if not isinstance(n_layer, int):  # a config: the older spelling
-        args = [a for a in (n_kv_head, head_dim, seq_len) if a is not None]
-        return kv_cache_bytes_for(n_layer, *args, **config_kwargs)
+    if not isinstance(n_layer, int):
+        raise TypeError(f"kv_cache_bytes takes plain numbers (n_layer, n_kv_head, head_dim, seq_len, batch, "
+                        f"bytes_per_elem); got {type(n_layer).__name__} for n_layer: for a model config use "
+                        "kv_cache_bytes_for(config, batch_size, seq_len, dtype)")
     for name, v in (("n_layer", n_layer), ("n_kv_head", n_kv_head), ("head_dim", head_dim),
                     ("seq_len", seq_len), ("batch", batch), ("bytes_per_elem", bytes_per_elem)):
         if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "seq_len" else 1):

@@ -9,7 +9,7 @@ from gptlab import GPT, generate
 from gptlab.generation import make_cache
 from tiny_models import tiny_gpt
 
-from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache, kv_cache_bytes
+from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache, kv_cache_bytes, kv_cache_bytes_for
 
 V = 37
 
@@ -122,16 +122,16 @@ def test_kv_cache_bytes_equals_allocated(variant, dtype):
     cfg = m.config
     B, T = 3, 17
     static = StaticKVCache.for_model(m, B, max_len=T)
-    assert static.nbytes == kv_cache_bytes(cfg, B, T, dtype)
+    assert static.nbytes == kv_cache_bytes_for(cfg, B, T, dtype)
     concat = ConcatKVCache(cfg.n_layer)
     with torch.no_grad():
         m(torch.zeros(B, 10, dtype=torch.long), kv_cache=concat)
         for _ in range(T - 10):
             m(torch.zeros(B, 1, dtype=torch.long), kv_cache=concat)
-    assert concat.nbytes == kv_cache_bytes(cfg, B, T, dtype)
+    assert concat.nbytes == kv_cache_bytes_for(cfg, B, T, dtype)
     # the formula, by hand: 2 (k, v) * layers * batch * kv heads * tokens * head_dim * bytes
     item = torch.empty((), dtype=dtype).element_size()
-    assert kv_cache_bytes(cfg, B, T, dtype) == 2 * cfg.n_layer * B * cfg.kv_heads * T * cfg.head_dim * item
+    assert kv_cache_bytes_for(cfg, B, T, dtype) == 2 * cfg.n_layer * B * cfg.kv_heads * T * cfg.head_dim * item
 
 
 def test_grouped_query_attention_saves_cache_memory():
@@ -140,7 +140,7 @@ def test_grouped_query_attention_saves_cache_memory():
     for name, m in (("mha", mha), ("gqa", gqa), ("mqa", mqa)):
         c = StaticKVCache.for_model(m, 2, max_len=30)
         sizes[name] = c.nbytes
-        assert c.nbytes == kv_cache_bytes(m.config, 2, 30)
+        assert c.nbytes == kv_cache_bytes_for(m.config, 2, 30)
     assert sizes["mha"] == 2 * sizes["gqa"] == 4 * sizes["mqa"]
 
 
@@ -157,9 +157,9 @@ def test_sliding_window_cache_memory_stops_growing():
             m(torch.zeros(2, 1, dtype=torch.long), kv_cache=cache)
             m(torch.zeros(2, 1, dtype=torch.long), kv_cache=full)
             seen.append(cache.nbytes)
-            assert cache.nbytes == kv_cache_bytes(m.config, 2, t)  # capped at the window
-            assert full.nbytes == kv_cache_bytes(m.config, 2, t, window=10**9)
-    assert max(seen) == kv_cache_bytes(m.config, 2, w) < full.nbytes
+            assert cache.nbytes == kv_cache_bytes_for(m.config, 2, t)  # capped at the window
+            assert full.nbytes == kv_cache_bytes_for(m.config, 2, t, window=10**9)
+    assert max(seen) == kv_cache_bytes_for(m.config, 2, w) < full.nbytes
 
 
 def test_left_padded_cached_logits_equal_unpadded():
@@ -238,7 +238,9 @@ def test_kv_cache_bytes_plain_numbers():
     assert kv_cache_bytes(6, 6, 64, 256, 1, 4) == 2 * 6 * 6 * 64 * 256 * 4 == 4718592
     assert kv_cache_bytes(n_layer=2, n_kv_head=1, head_dim=8, seq_len=10, batch=3, bytes_per_elem=2) == 2 * 2 * 3 * 10 * 8 * 2
     cfg = _model(n_head=4, n_kv_head=2).config
-    assert kv_cache_bytes(cfg, 2, 30) == kv_cache_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, 30, 2, 4)
+    assert kv_cache_bytes_for(cfg, 2, 30) == kv_cache_bytes(cfg.n_layer, cfg.kv_heads, cfg.head_dim, 30, 2, 4)
+    with pytest.raises(TypeError, match="kv_cache_bytes_for"):  # one signature: plain numbers
+        kv_cache_bytes(cfg, 2, 30, 4)
     for bad in (dict(n_layer=0), dict(seq_len=-1), dict(bytes_per_elem=1.5)):
         args = dict(n_layer=1, n_kv_head=1, head_dim=1, seq_len=1, batch=1, bytes_per_elem=4) | bad
         with pytest.raises(ValueError, match=next(iter(bad))):
