@@ -11,7 +11,8 @@ The data's path through the package, one module per idea (ARCHITECTURE.md lists 
 """
 
 from .generation import beam_search, generate, stream
-from .model import GPT, GPTConfig, causal_mask
+from .masks import causal_mask
+from .model import GPT, GPTConfig
 from .speculative import speculative_generate
 
 __version__ = "0.1.0"

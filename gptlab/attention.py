@@ -27,7 +27,7 @@ from .rope import apply_rope
 
 if TYPE_CHECKING:
     from .kvcache import KVCache
-    from .model import GPTConfig
+    from .config import GPTConfig
 
 __all__ = ["attention_weights", "attention", "split_heads", "merge_heads", "CausalSelfAttention"]
 

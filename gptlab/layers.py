@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from .model import GPTConfig
+    from .config import GPTConfig
 
 __all__ = [
     "layer_norm",

@@ -6,8 +6,8 @@ ids (B, T) to next-token logits (B, T, V).
 The parts live in their own modules, in the order the data meets them: :mod:`gptlab.config`
 (the hyper-parameters and variants), :mod:`gptlab.layers` (norms, MLPs), :mod:`gptlab.masks`,
 :mod:`gptlab.rope` and :mod:`gptlab.attention`; the linear layers are PyTorch's ``nn.Linear``.
-This module assembles them into a :class:`Block` and the :class:`GPT`, and re-exports them
-(``gptlab.model.causal_mask`` works). :meth:`GPT.forward` is the model's one code path: training,
+This module assembles them into a :class:`Block` and the :class:`GPT` (each part is imported from
+its own module: ``gptlab.masks.causal_mask``, ``gptlab.layers.LayerNorm``). :meth:`GPT.forward` is the model's one code path: training,
 a full forward, a prompt prefill and decode steps of one or several tokens over a KV cache
 (:meth:`GPT.decode`, what :mod:`gptlab.generation` and :mod:`gptlab.speculative` call) all run it.
 
@@ -26,42 +26,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import hf
-# The model's parts, each in its own module; re-exported here so ``gptlab.model.X`` keeps working.
-from .attention import CausalSelfAttention, attention, attention_weights, merge_heads, split_heads
+from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .kvcache import KVCache
-from .layers import MLP, LayerNorm, RMSNorm, SwiGLU, gelu, layer_norm, new_gelu, rms_norm
-from .masks import additive_mask, causal_mask, combine_masks, slot_mask
-from .rope import apply_rope, rope_cache
+from .layers import MLP, LayerNorm, RMSNorm, SwiGLU
+from .masks import slot_mask
+from .rope import rope_cache
 
 IGNORE_INDEX = -100  # a target equal to it is left out of the loss (PyTorch's and Hugging Face's value)
 
-__all__ = [
-    "GPTConfig",
-    "GPT",
-    "Block",
-    "check_token_ids",
-    # re-exported from the modules that define them
-    "causal_mask",
-    "additive_mask",
-    "combine_masks",
-    "slot_mask",
-    "attention",
-    "attention_weights",
-    "split_heads",
-    "merge_heads",
-    "CausalSelfAttention",
-    "LayerNorm",
-    "RMSNorm",
-    "MLP",
-    "SwiGLU",
-    "layer_norm",
-    "rms_norm",
-    "gelu",
-    "new_gelu",
-    "rope_cache",
-    "apply_rope",
-]
+__all__ = ["GPTConfig", "GPT", "Block", "check_token_ids", "IGNORE_INDEX"]
 
 
 def check_token_ids(idx: Tensor, vocab_size: int, name: str = "idx") -> None:

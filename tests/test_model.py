@@ -17,19 +17,11 @@ import gptlab
 from tiny_models import tiny_gpt
 
 from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache
-from gptlab.model import (
-    GPT,
-    Block,
-    GPTConfig,
-    LayerNorm,
-    RMSNorm,
-    SwiGLU,
-    apply_rope,
-    attention,
-    causal_mask,
-    new_gelu,
-    rope_cache,
-)
+from gptlab.attention import attention
+from gptlab.layers import LayerNorm, RMSNorm, SwiGLU, new_gelu
+from gptlab.masks import causal_mask
+from gptlab.model import GPT, Block, GPTConfig
+from gptlab.rope import apply_rope, rope_cache
 
 V = 61  # a vocabulary size that is not a power of two
 
