@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import platform
 
 import torch
 
-__all__ = ["pick_device", "available_devices", "device_type", "cuda_bf16_native", "autocast_dtype"]
+__all__ = ["pick_device", "available_devices", "device_type", "cuda_bf16_native", "autocast_dtype", "cpu_model"]
 
 _KNOWN = ("cpu", "cuda", "mps")
 
@@ -135,3 +136,16 @@ def autocast_dtype(device: torch.device | str, dtype: str = "auto") -> torch.dty
     if dtype == "float16" and device.type != "cuda":
         raise ValueError(f"dtype 'float16' needs CUDA (loss scaling); device is {device.type!r}: use 'bfloat16' or 'float32'")
     return dtypes[dtype]
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``'s ``model name``; elsewhere what :mod:`platform`
+    says), for benchmarks and per-machine calibrations."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import platform
 
 __all__ = ["machine_name", "register_cli"]
 
@@ -26,15 +25,9 @@ def machine_name() -> str:
     """A human-readable description of the machine: CPU model and core count, GPU if any."""
     import torch
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from ..device import cpu_model
+
+    cpu = cpu_model()
     desc = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
     if torch.cuda.is_available():
         desc = f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}); host: {desc}"

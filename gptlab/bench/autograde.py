@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..device import cpu_model
 from . import machine_name
 
 __all__ = ["add_arguments", "run"]
@@ -85,19 +86,6 @@ def _cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def _declared_limits(course: Path) -> dict[str, float]:
     """``assignment/grade_id`` -> the time limit a test cell declares (``gptlab.timeout``: the
     graded training), for the cells exempt from the 5 s rule."""
@@ -138,7 +126,7 @@ def run(args) -> int:
     load_before = os.getloadavg()
     import torch
 
-    fig: dict = {"benchmark": "autograde", "machine": machine_name(), "cpu_model": _cpu_model(),
+    fig: dict = {"benchmark": "autograde", "machine": machine_name(), "cpu_model": cpu_model(),
                  "cpu_count": os.cpu_count(), "torch": torch.__version__,
                  "load_average_before": load_before, "students": n_students, "blank_every": args.blank_every,
                  "workers": worker_counts, "runs": []}

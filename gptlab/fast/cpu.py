@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import statistics
 import time
 from collections import Counter
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..assets import cache_dir
+from ..device import cpu_model
 from ..files import atomic_write_json
 
 __all__ = [
@@ -234,22 +234,11 @@ class Timing:
         return math.inf if gain <= 0 else self.pack_us / gain
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
 def machine_key() -> str:
     """What a calibration holds for: the CPU's name, the thread count (the blocks are twice as
     many), the torch version, and the kernel of one vector's packed product."""
     kernel = "embedding_bag" if EMBEDDING_BAG_PRODUCT else "bmm"
-    return f"{_cpu_name()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {kernel}"
+    return f"{cpu_model()} | {torch.get_num_threads()} threads | torch {torch.__version__} | {kernel}"
 
 
 def calibration_path() -> Path:
