@@ -306,6 +306,45 @@ def test_delegation_is_found_however_it_is_spelled(code):
     assert found, code
 
 
+def _forbidden(module: str, name: str):
+    import importlib
+
+    return getattr(importlib.import_module(f"gptlab.grading.{module}"), name)
+
+
+SIBLINGS = [  # a sibling of the forbidden op that computes the same answer
+    ("layer_norm", "blocks", "_FORBID_LAYER_NORM",
+     "def layer_norm(x, w, b, eps=1e-5):\n    C = x.shape[-1]\n"
+     "    y = torch.batch_norm(x.reshape(1, -1, C), None, None, None, None, True, 0.0, eps, False)\n"
+     "    return y.reshape(x.shape) * w + b",
+     lambda x: torch.batch_norm(x.reshape(1, -1, 4), None, None, None, None, True, 0.0, 1e-5, False)),
+    ("layer_norm", "blocks", "_FORBID_LAYER_NORM",
+     "def layer_norm(x, w, b, eps=1e-5):\n    return torch.instance_norm(x[None], None, None, None, None, True, 0.0, eps, "
+     "False)[0] * w + b", lambda x: torch.instance_norm(x[None], None, None, None, None, True, 0.0, 1e-5, False)),
+    ("attention_weights", "attention", "_FORBIDDEN_ATTENTION",
+     "def attention_weights(q, k, mask=None):\n    return torch._scaled_dot_product_flash_attention_for_cpu(q, k, k)[0]",
+     lambda x: torch._scaled_dot_product_flash_attention_for_cpu(x[None, None], x[None, None], x[None, None])),
+    ("cross_entropy", "lm_basics", "_CE_FORBIDDEN",
+     "import torch.nn.functional as G\ndef cross_entropy(logits, targets):\n"
+     "    return G.linear_cross_entropy(logits, torch.eye(logits.shape[1]), targets)",
+     lambda x: torch.nn.functional.linear_cross_entropy(x, torch.eye(4), torch.zeros(4, dtype=torch.long))),
+    ("cross_entropy", "lm_basics", "_SHIFT_FORBIDDEN",
+     "def cross_entropy(logits, targets):\n    lse = logits.logcumsumexp(-1)[:, -1]\n"
+     "    return (lse - logits.gather(1, targets[:, None])[:, 0]).mean()", lambda x: x.logcumsumexp(-1)),
+]
+
+
+@pytest.mark.parametrize("task, module, table, code, run", SIBLINGS, ids=[f"{t}-{i}" for i, (t, *_) in enumerate(SIBLINGS)])
+def test_a_sibling_of_the_forbidden_op_is_delegation_too(task, module, table, code, run):
+    """Found in the source, and by the runtime guard when called."""
+    from gptlab.grading.core import DelegationError, forbid
+
+    forbidden = _forbidden(module, table)
+    assert source.delegation(_program(code), [task], forbidden), code
+    with pytest.raises(DelegationError), forbid(forbidden, task):
+        run(torch.randn(4, 4))
+
+
 def test_what_a_task_allows_is_not_delegation():
     from gptlab.grading.sampling import _GPTLAB_SAMPLERS
 

@@ -38,7 +38,7 @@ from torch._C import _VariableFunctions as _VF
 
 from .. import attention as _att
 from .. import GPTConfig
-from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function, same
+from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor, require_function, same
 from .remote import is_module, is_module_class, load_params
 
 __all__ = [
@@ -58,6 +58,8 @@ _FUSED = (
     Forbidden(nn.MultiheadAttention, "nn.MultiheadAttention"),
     Forbidden(F.multi_head_attention_forward, "F.multi_head_attention_forward"),
 )
+_FUSED += torch_family("scaled_dot_product", "multi_head_attention", "scaled_dot_attention",
+                       but=[f.target for f in _FUSED])  # torch._scaled_dot_product_flash_attention_for_cpu, ...
 _GPTLAB_ATTENTION = (
     Forbidden(_att.attention_weights, "gptlab.attention.attention_weights"),
     Forbidden(_att.attention, "gptlab.attention.attention"),

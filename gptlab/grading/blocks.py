@@ -36,7 +36,7 @@ from .. import attention as _attention
 from .. import layers as _layers
 from .. import model as _model
 from .. import rope as _rope
-from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function
+from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor, require_function
 from .remote import is_module, is_module_class, load_params
 
 __all__ = ["check_layer_norm", "check_gelu", "check_rms_norm", "check_apply_rope", "check_Block"]
@@ -58,12 +58,15 @@ _FORBID_LAYER_NORM = (
     Forbidden(torch.group_norm, "torch.group_norm"),
     Forbidden(nn.GroupNorm, "nn.GroupNorm"),
 )
+_FORBID_LAYER_NORM += torch_family("layer_norm", "batch_norm", "group_norm", "instance_norm",
+                                   but=[f.target for f in _FORBID_LAYER_NORM])  # torch.batch_norm on (1, N, C)
 _FORBID_GELU = (
     Forbidden(_layers.gelu, "gptlab.layers.gelu"),
     Forbidden(_layers.new_gelu, "gptlab.layers.new_gelu"),
     Forbidden(F.gelu, "F.gelu"),
     Forbidden(nn.GELU, "nn.GELU"),
 )
+_FORBID_GELU += torch_family("gelu", but=[f.target for f in _FORBID_GELU])
 _FORBID_RMS_NORM = (
     Forbidden(_layers.rms_norm, "gptlab.layers.rms_norm"),
     Forbidden(_layers.RMSNorm, "gptlab.layers.RMSNorm"),
@@ -71,6 +74,7 @@ _FORBID_RMS_NORM = (
     Forbidden(torch.rms_norm, "torch.rms_norm"),
     Forbidden(nn.RMSNorm, "nn.RMSNorm"),
 )
+_FORBID_RMS_NORM += torch_family("rms_norm", but=[f.target for f in _FORBID_RMS_NORM])  # torch._fused_rms_norm
 _FORBID_ROPE = (Forbidden(_rope.apply_rope, "gptlab.rope.apply_rope"),)
 _FORBID_BLOCK = (
     Forbidden(_model.Block, "gptlab.model.Block"),

@@ -45,6 +45,7 @@ __all__ = [
     "forbid",
     "forbidden_specs",
     "resolve_forbidden",
+    "torch_family",
     "call",
     "expect_tensor",
     "expect_close",
@@ -198,6 +199,28 @@ def resolve_forbidden(spec: Sequence[str]) -> Any:
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def torch_family(*parts: str, but: Sequence[Any] = ()) -> tuple[Forbidden, ...]:
+    """Every function of ``torch``, ``torch.nn.functional`` and ``torch.special`` and every tensor
+    method whose name contains one of ``parts``: the public op a task forbids and its siblings that
+    compute the same answer (``torch._scaled_dot_product_flash_attention_for_cpu`` beside
+    ``F.scaled_dot_product_attention``, ``torch.batch_norm`` on a reshaped input for a layer norm,
+    ``x.logcumsumexp(-1)[..., -1]`` for a log-sum-exp). ``but``: objects left out."""
+    import torch.nn.functional as F
+
+    out: list[Forbidden] = []
+    seen = {id(b) for b in but}
+    for owner, prefix in ((torch, "torch"), (F, "F"), (torch.special, "torch.special"), (torch.Tensor, "torch.Tensor")):
+        for name in sorted(dir(owner)):
+            if not any(p in name for p in parts) or name.startswith("__"):
+                continue
+            obj = getattr(owner, name, None)
+            if not callable(obj) or isinstance(obj, type) or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            out.append(Forbidden(obj, f"{prefix}.{name}"))
+    return tuple(out)
 
 
 def forbidden_specs(entries: Sequence[Forbidden]) -> list[list[str]]:

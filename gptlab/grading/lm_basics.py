@@ -35,6 +35,7 @@ from .core import (
     DelegationError,
     ExerciseError,
     Forbidden,
+    torch_family,
     call,
     describe,
     expect_close,
@@ -70,6 +71,8 @@ _SHIFT_FORBIDDEN = (
     Forbidden(torch.special.log_softmax, "torch.special.log_softmax"),
     Forbidden(F.log_softmax, "F.log_softmax"),
 )
+_SHIFT_FORBIDDEN += torch_family("logsumexp", "log_softmax", "logcumsumexp",  # x.logcumsumexp(-1)[..., -1]
+                                 but=[f.target for f in _SHIFT_FORBIDDEN])
 
 
 # --------------------------------------------------------------------------- encode / decode
@@ -350,6 +353,8 @@ _CE_FORBIDDEN = (
     Forbidden(torch.nn.NLLLoss, "nn.NLLLoss"),
     Forbidden(_bigram.BigramModel.loss, "gptlab.bigram.BigramModel.loss"),
 )
+_CE_FORBIDDEN += torch_family("cross_entropy", "nll_loss",  # F.linear_cross_entropy with an identity weight
+                              but=[f.target for f in _CE_FORBIDDEN])
 
 
 def reference_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
