@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from .assets import Asset, AssetError, cache_dir, fetch, register_asset, sha256_file, sha256_json, verify_hashes
 from .files import atomic_dir
+from .progress import progress_bar
 from .model import GPT, GPTConfig
 
 __all__ = ["SMOLLM2_GGUF", "load_smollm2", "load_smollm2_hf", "smollm2_gguf_path", "converted_dir"]
@@ -83,15 +85,27 @@ def load_smollm2_hf(device: str | torch.device | None = "cpu", *, quiet: bool = 
     from transformers.utils import logging as hf_logging
 
     verbosity = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     if quiet:
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
+    # transformers' GGUF reader draws its own tqdm.auto bar (an ipywidgets widget in a notebook, whatever
+    # HF's settings): gptlab's bar instead, plain text under GPTLAB_PROGRESS=text, none when quiet
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # another transformers layout: its own bar stays
+        gguf_utils = None
+    their_bar = getattr(gguf_utils, "tqdm", None)
+    if their_bar is not None:
+        gguf_utils.tqdm = partial(progress_bar, disable=True if quiet else None)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
     finally:
         hf_logging.set_verbosity(verbosity)
-        if quiet:
+        if their_bar is not None:
+            gguf_utils.tqdm = their_bar
+        if quiet and bars:
             hf_logging.enable_progress_bar()
     return model.to(device=_device(device), dtype=torch.float32).eval(), tokenizer
 

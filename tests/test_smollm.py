@@ -26,12 +26,37 @@ ATOL = 1e-4
 RTOL_OF_MAX = 2e-5
 
 
+BARS: list[dict] = []  # the progress bars the GGUF reader drew while the module's model was read
+
+
 @pytest.fixture(scope="module")
 def hf():
-    t = time.perf_counter()
-    model, tok = load_smollm2_hf("cpu")
-    print(f"\nHF load from GGUF: {time.perf_counter() - t:.1f} s")
+    import gptlab.smollm as smollm
+
+    real = smollm.progress_bar
+
+    def spy(*args, **kwargs):
+        BARS.append(dict(kwargs))
+        return real(*args, **kwargs)
+
+    smollm.progress_bar = spy
+    try:
+        t = time.perf_counter()
+        model, tok = load_smollm2_hf("cpu")
+        print(f"\nHF load from GGUF: {time.perf_counter() - t:.1f} s")
+    finally:
+        smollm.progress_bar = real
     return model, tok
+
+
+def test_the_gguf_reader_draws_gptlabs_bar(hf):
+    """transformers' GGUF reader draws tqdm.auto's bar (a widget in a notebook, whatever HF's settings):
+    gptlab's bar stands in while the file is read (plain text under GPTLAB_PROGRESS=text), and the
+    reader's own is put back."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    assert any("GGUF" in str(b.get("desc", "")) for b in BARS), BARS
+    assert gguf_utils.tqdm.__module__.startswith("tqdm")
 
 
 @pytest.fixture(scope="module")
