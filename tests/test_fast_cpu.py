@@ -17,24 +17,14 @@ from gptlab import GPT, beam_search, generate, speculative_generate, stream
 from gptlab.fast import cpu
 from gptlab.fast.cpu import PackedLinear, Timing, blocks_product, pack_for_decoding, row_blocks, row_split_linear
 from gptlab.kvcache import StaticKVCache
-from tiny_models import tiny_gpt
+from tiny_models import VARIANT_VOCAB, variant_model
+from tiny_models import VARIANTS as ALL_VARIANTS
 
-V = 37
+V = VARIANT_VOCAB
 ALL = lambda name, layer: True  # noqa: E731  (select every layer that can be packed)
 
-VARIANTS = {
-    "gpt2": {},
-    "gqa": dict(n_head=4, n_kv_head=2),
-    "llama": dict(n_head=4, n_kv_head=2, norm="rmsnorm", mlp="swiglu", pos_emb="rope", bias=False, tie_weights=False),
-    "window_gqa_rope": dict(window_size=4, n_head=4, n_kv_head=2, pos_emb="rope"),
-    "postnorm_explicit": dict(prenorm=False, attn_impl="explicit"),
-}
-
-
-def _model(seed=0, **kw) -> GPT:
-    cfg = dict(vocab_size=V, block_size=40, n_layer=2, n_head=2, n_embd=32)
-    cfg.update(kw)
-    return tiny_gpt(seed, **cfg)
+VARIANTS = {k: ALL_VARIANTS[k] for k in ("gpt2", "gqa", "llama", "window_gqa_rope", "postnorm_explicit")}
+_model = variant_model
 
 
 def _linears(model) -> dict[str, nn.Module]:

@@ -7,27 +7,13 @@ import torch
 
 from gptlab import GPT, generate
 from gptlab.generation import make_cache
-from tiny_models import tiny_gpt
+from tiny_models import VARIANT_VOCAB, VARIANTS, tiny_gpt, variant_model
 
 from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache, kv_cache_bytes, kv_cache_bytes_for
 
-V = 37
+V = VARIANT_VOCAB
 
-VARIANTS = {
-    "gpt2": {},
-    "gqa": dict(n_head=4, n_kv_head=2),
-    "mqa": dict(n_head=4, n_kv_head=1),
-    "llama": dict(n_head=4, n_kv_head=2, norm="rmsnorm", mlp="swiglu", pos_emb="rope", bias=False, tie_weights=False),
-    "window": dict(window_size=5),
-    "window_gqa_rope": dict(window_size=4, n_head=4, n_kv_head=2, pos_emb="rope"),
-    "postnorm_explicit": dict(prenorm=False, attn_impl="explicit"),
-}
-
-
-def _model(seed=0, **kw) -> GPT:
-    cfg = dict(vocab_size=V, block_size=40, n_layer=2, n_head=2, n_embd=32)
-    cfg.update(kw)
-    return tiny_gpt(seed, **cfg)
+_model = variant_model
 
 
 def _caches(m: GPT, B: int):
