@@ -266,6 +266,19 @@ def test_a_module_written_while_grading_is_found(tmp_path, monkeypatch):
     found = source.planted_modules(_program("import helper2"), None, since)
     assert len(found) == 1 and "while the notebook was graded" in found[0]
     assert source.planted_modules(_program("import helper2"), None, time.time() + 60) == []
+    # a submodule added to a package that was there before grading; a package that only gains its
+    # __pycache__ (its folder's time changes on a first import) is not flagged
+    pkg = site / "oldpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub.py").write_text("x = 1\n")
+    for f in (pkg / "__init__.py", pkg / "sub.py"):
+        os.utime(f, (since - 100, since - 100))
+    (pkg / "__pycache__").mkdir()
+    assert source.planted_modules(_program("import oldpkg.sub\nfrom oldpkg import sub"), None, since) == []
+    (pkg / "evil.py").write_text("x = 1\n")
+    found = source.planted_modules(_program("from oldpkg import evil"), None, since)
+    assert len(found) == 1 and found[0].startswith("oldpkg.evil") and "evil.py" in found[0]
 
 
 def test_honest_code_is_not_tampering():

@@ -416,24 +416,52 @@ def file_writes(program: Program) -> list[Finding]:
 
 
 def imported_modules(program: Program) -> set[str]:
-    """The top-level names of every module the learner's cells import (``a`` of ``import a.b``)."""
+    """The dotted names the learner's cells import, and for ``from a.b import c`` also ``a.b.c``
+    (``c`` may be a module)."""
     out: set[str] = set()
     for cell in program.cells:
         if cell.learner:
             for node in ast.walk(cell.tree):
                 if isinstance(node, ast.Import):
-                    out |= {a.name.split(".")[0] for a in node.names}
+                    out |= {a.name for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    out.add(node.module.split(".")[0])
+                    out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names if a.name != "*"}
     return out
+
+
+def _module_files(name: str) -> list[str]:
+    """The files that ``import name`` (dotted) would run, found without importing anything: the
+    top-level module's file (a package's ``__init__.py``), then each submodule's beneath it."""
+    parts = name.split(".")
+    if parts[0] in sys.builtin_module_names:
+        return []
+    try:
+        spec = importlib.util.find_spec(parts[0])  # a top-level name: finds, never imports
+    except (ImportError, ValueError):
+        return []
+    if spec is None:
+        return []
+    files = [spec.origin] if spec.origin and spec.has_location else []
+    folders = list(spec.submodule_search_locations or [])
+    for part in parts[1:]:
+        found = [c for f in folders for c in (os.path.join(f, part + ".py"), os.path.join(f, part, "__init__.py"))
+                 if os.path.isfile(c)]
+        if not found:
+            break
+        files.append(found[0])
+        folders = [os.path.dirname(found[0])] if found[0].endswith("__init__.py") else []
+    return files
 
 
 def planted_modules(program: Program, folder: str | os.PathLike | None, since: float) -> list[str]:
     """Modules the notebook imports that were written while it was graded: a file or folder of that
     name in the kernel's ``folder`` (which held only the notebooks when the kernel started), or a
-    module file found on the import path that was modified after ``since`` (a time.time())."""
+    module file on the import path (a package's ``__init__.py``, a submodule's file) modified after
+    ``since`` (a time.time()). Folders' times are not read: importing a package writes its
+    ``__pycache__`` there."""
     found = []
-    for name in sorted(imported_modules(program)):
+    for dotted in sorted(imported_modules(program)):
+        name = dotted.split(".")[0]
         if folder is not None:
             base = os.path.join(os.fspath(folder), name)
             if os.path.exists(base + ".py") or os.path.isdir(base) or any(
@@ -441,17 +469,10 @@ def planted_modules(program: Program, folder: str | os.PathLike | None, since: f
                     for f in os.listdir(folder)):
                 found.append(f"{name} (written beside the notebook)")
                 continue
-        if name in sys.builtin_module_names:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            continue
-        paths = [spec.origin] if spec is not None and spec.origin and spec.has_location else []
-        paths += list(spec.submodule_search_locations or []) if spec is not None else []
-        if any(os.path.exists(p) and os.path.getmtime(p) > since for p in paths):
-            found.append(f"{name} (written to {paths[0]} while the notebook was graded)")
-    return found
+        new = [f for f in _module_files(dotted) if os.path.getmtime(f) > since]
+        if new:
+            found.append(f"{dotted} (written to {new[0]} while the notebook was graded)")
+    return sorted(set(found))
 
 
 def tampering(program: Program) -> list[Finding]:
