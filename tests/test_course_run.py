@@ -250,7 +250,10 @@ def test_the_longest_assignment_goes_first(course, fake_pool, monkeypatch):
     seen, lock = [], threading.Lock()
     monkeypatch.setattr(ag, "grade_student", _fake_grade({}, set(), seen, lock))
     ag.autograde(Course(course), TINY, workers=2, progress=False)
-    assert {a for a, _ in seen[:3]} == {"gamma"}
+    # the jobs are taken gamma first; up to 3 graders run at once (2 workers, and the main process until
+    # one is ready), so a job taken later may be recorded before one taken earlier by at most 2 places
+    gamma = [i for i, (a, _) in enumerate(seen) if a == "gamma"]
+    assert len(gamma) >= 3 and max(gamma) < len(gamma) + 2, seen
 
 
 def test_a_dead_worker_costs_its_job_only(course, fake_pool, monkeypatch):
