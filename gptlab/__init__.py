@@ -7,14 +7,14 @@ The data's path through the package, one module per idea (ARCHITECTURE.md lists 
                    :mod:`gptlab.rope`, :mod:`gptlab.attention`, :mod:`gptlab.model`)
          -> logits -> loss (:mod:`gptlab.train`)
                    -> samples (:mod:`gptlab.sampling`, :mod:`gptlab.kvcache`,
-                               :mod:`gptlab.generation`, :mod:`gptlab.speculative`) -> text
+                               :mod:`gptlab.generation`) -> text
 """
 
-from .generation import beam_search, generate, stream
+from .generation import GenerationConfig, beam_search, generate, speculative_generate, stream
 from .masks import causal_mask
 from .model import GPT, GPTConfig
-from .speculative import speculative_generate
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "causal_mask", "generate", "stream", "beam_search", "speculative_generate", "__version__"]
+__all__ = ["GPT", "GPTConfig", "GenerationConfig", "causal_mask", "generate", "stream", "beam_search",
+           "speculative_generate", "__version__"]

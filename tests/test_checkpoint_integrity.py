@@ -234,7 +234,7 @@ def smol_cache(tmp_cache, monkeypatch):
     pytest.importorskip("transformers")
     import transformers
 
-    from gptlab import smollm
+    from gptlab.interop import smollm
 
     model = tiny(norm="rmsnorm", mlp="swiglu", pos_emb="rope", n_kv_head=1, bias=False)
     smollm._save_converted(smollm.converted_dir(), model, FakeHFTokenizer())
@@ -248,7 +248,7 @@ def smol_cache(tmp_cache, monkeypatch):
 
 
 def test_smollm2_cache_loads_when_intact(smol_cache):
-    from gptlab.smollm import load_smollm2
+    from gptlab.interop.smollm import load_smollm2
 
     folder, model = smol_cache
     loaded, tok = load_smollm2("cpu")
@@ -258,7 +258,7 @@ def test_smollm2_cache_loads_when_intact(smol_cache):
 
 def test_smollm2_cache_with_a_flipped_byte_is_an_error(smol_cache):
     from gptlab.assets import AssetError
-    from gptlab.smollm import load_smollm2
+    from gptlab.interop.smollm import load_smollm2
 
     folder, _ = smol_cache
     flip_byte(folder / "model.safetensors")
@@ -269,7 +269,7 @@ def test_smollm2_cache_with_a_flipped_byte_is_an_error(smol_cache):
 
 def test_smollm2_cache_with_an_edited_config_is_an_error(smol_cache):
     from gptlab.assets import AssetError
-    from gptlab.smollm import load_smollm2
+    from gptlab.interop.smollm import load_smollm2
 
     folder, _ = smol_cache
     meta = json.loads((folder / "config.json").read_text())
@@ -285,7 +285,7 @@ def test_smollm2_cache_with_an_edited_config_is_an_error(smol_cache):
 
 def test_smollm2_cache_tokenizer_file_is_hashed(smol_cache):
     from gptlab.assets import AssetError
-    from gptlab.smollm import load_smollm2
+    from gptlab.interop.smollm import load_smollm2
 
     folder, _ = smol_cache
     (folder / "tokenizer" / "tokenizer.json").write_text('{"fake": false}')

@@ -35,7 +35,7 @@ def test_command_help(command: str, capsys):
     subparsers = build_parser()._subparsers._group_actions[0].choices
     assert command in subparsers, (
         f"`python -m gptlab {command}` is not registered (commands found: {sorted(subparsers)}); "
-        "its module's register_cli(subparsers) must add it"
+        "gptlab/cli.py must add it"
     )
     out = _help([command, "--help"], capsys)
     assert f"usage: python -m gptlab {command}" in out
@@ -60,7 +60,7 @@ def test_unknown_command_is_an_error(capsys):
 
 
 def test_a_command_whose_module_fails_to_import_fails_loudly(monkeypatch):
-    import gptlab.__main__ as cli
+    import gptlab.cli as cli
 
     monkeypatch.setattr(cli, "_COMMANDS", [*cli._COMMANDS, ("gptlab._no_such_module", "ghost")])
     with pytest.raises(ImportError, match=r"gptlab ghost: its module gptlab\._no_such_module failed to import"):

@@ -59,7 +59,7 @@ import pytest
 
 import nbexec
 from gptlab.assets import ASSETS, sha256_file
-from gptlab.data import _DEFAULT_FETCH  # what `python -m gptlab fetch` fetches without --all
+from gptlab.data import DEFAULT_FETCH  # what `python -m gptlab fetch` fetches without --all
 from gptlab.notebook_setup import SETUP_CELL_ID, is_setup_source, repository_from_config
 
 pytestmark = pytest.mark.slow
@@ -321,8 +321,8 @@ def test_setup_cell_keeps_colabs_torch(colab: Colab):
 
 def test_setup_cell_fetched_the_data(colab: Colab):
     # ASSETS holds every asset a module imported so far registered (SmolLM2's too, once
-    # gptlab.smollm is imported in this process): the set-up cell's plain `fetch` gets the defaults
-    for asset in (ASSETS[name] for name in _DEFAULT_FETCH):
+    # gptlab.interop.smollm is imported in this process): the set-up cell's plain `fetch` gets the defaults
+    for asset in (ASSETS[name] for name in DEFAULT_FETCH):
         path = colab.cache.joinpath(*asset.filename.split("/"))
         assert path.is_file(), f"{asset.filename} is not in the cache after `python -m gptlab fetch`"
         assert sha256_file(path) == asset.sha256, asset.filename

@@ -19,7 +19,7 @@ from transformers import (
     OpenAIGPTLMHeadModel,
 )
 
-from gptlab.hf import config_from_hf
+from gptlab.interop.hf import config_from_hf
 from gptlab.kvcache import StaticKVCache
 from gptlab.model import GPT, GPTConfig
 

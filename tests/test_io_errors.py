@@ -84,12 +84,12 @@ def test_a_full_disk_while_fetching_says_free_space(seeded, tmp_path, monkeypatc
 
 def test_a_full_disk_in_any_command_is_one_line(monkeypatch, capsys):
     """Any command's save that hits a full disk (here fetch's, replaced) ends in one line."""
-    import gptlab.data
+    import gptlab.cli
 
     def save(args):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/x/ckpt/model.safetensors")
 
-    monkeypatch.setattr(gptlab.data, "_fetch_cli", save)
+    monkeypatch.setattr(gptlab.cli, "cmd_fetch", save)
     assert main(["fetch"]) == 1
     line = _one_line(capsys.readouterr().err)
     assert "no space left on the device (/runs/x/ckpt/model.safetensors): free some disk space" in line

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gptlab.kvcache import StaticKVCache
-from gptlab.smollm import converted_dir, load_smollm2, load_smollm2_hf
+from gptlab.interop.smollm import converted_dir, load_smollm2, load_smollm2_hf
 
 pytestmark = pytest.mark.smollm
 
@@ -31,7 +31,7 @@ BARS: list[dict] = []  # the progress bars the GGUF reader drew while the module
 
 @pytest.fixture(scope="module")
 def hf():
-    import gptlab.smollm as smollm
+    import gptlab.interop.smollm as smollm
 
     real = smollm.progress_bar
 
@@ -157,7 +157,7 @@ def test_bfloat16_load_from_cache_still_says_paris(ours):
 
 
 def test_stale_cache_is_ignored(tmp_path):
-    from gptlab.smollm import _load_converted
+    from gptlab.interop.smollm import _load_converted
 
     (tmp_path / "config.json").write_text('{"format": 0, "source_sha256": "x", "config": {}}')
     assert _load_converted(tmp_path, torch.device("cpu"), torch.float32) is None

@@ -1,4 +1,4 @@
-"""Speculative decoding (gptlab.speculative) is exact, and its speed-up model holds.
+"""Speculative decoding (gptlab.generation.speculative) is exact, and its speed-up model holds.
 
 * Greedy: token for token the target's own greedy output (gptlab.generate, temperature 0) for
   several draft lengths, with a random (bad) draft and with the target as its own draft; and the
@@ -30,7 +30,7 @@ from gptlab import GPT, GPTConfig
 from gptlab.generation import generate
 from gptlab.sampling import process_logits
 import tiny_models
-from gptlab.speculative import (
+from gptlab.generation.speculative import (
     SpeculativeStats,
     expected_tokens_per_round,
     speculative_generate,
@@ -387,7 +387,7 @@ def test_bench_speculative_quick_smoke(tmp_path):
 def test_speculative_step_pieces():
     """accept_prob = min(1, p/q) at the guess; the residual is normalised max(0, p - q); one step
     returns the accepted guesses plus the target's token; the pass formula at its limits."""
-    from gptlab.speculative import accept_prob, expected_tokens_per_pass, residual_distribution, speculative_step
+    from gptlab.generation.speculative import accept_prob, expected_tokens_per_pass, residual_distribution, speculative_step
 
     p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]])
     q = torch.tensor([[0.25, 0.6, 0.15], [0.1, 0.1, 0.8]])

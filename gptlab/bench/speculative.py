@@ -1,6 +1,6 @@
 """Speculative decoding: acceptance rate, tokens per target pass and speed-up against draft length.
 
-Where this sits: model -> logits -> *samples*. :func:`gptlab.speculative.speculative_generate`
+Where this sits: model -> logits -> *samples*. :func:`gptlab.generation.speculative.speculative_generate`
 against the target decoding alone (:func:`gptlab.generate`, same decoding settings, same
 :class:`~gptlab.kvcache.StaticKVCache`, same machine), for draft lengths ``g`` (``--gs``), greedy
 (temperature 0) and sampled (temperature 1).
@@ -132,7 +132,7 @@ def _prompts(n: int, length: int = 16) -> list[torch.Tensor]:
 
 def run(args) -> int:
     from ..generation import generate
-    from ..speculative import SpeculativeStats, speculative_generate
+    from ..generation import SpeculativeStats, speculative_generate
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,6 +1,6 @@
 """Speculative decoding: a small draft model proposes, the large target model verifies.
 
-Where this sits: model -> logits -> *samples* -> text, beside :mod:`gptlab.generation`. Plain
+Where this sits: model -> logits -> *samples* -> text, beside :mod:`gptlab.generation.loop`. Plain
 decoding runs the (slow) target once per new token. Speculative decoding (Leviathan et al., 2023;
 Chen et al., 2023) lets a cheap *draft* model guess ``g`` tokens one by one, then runs the target
 *once* over all ``g`` guesses (``g + 1`` positions, in parallel, like a short prefill) and keeps the
@@ -34,14 +34,16 @@ from __future__ import annotations
 import math
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from .fast.cpu import pack_for_decoding
-from .kvcache import StaticKVCache
-from .model import GPT, check_token_ids
-from .sampling import SamplingConfig, sample_from_probs
+from ..fast.cpu import pack_for_decoding
+from ..kvcache import StaticKVCache
+from ..model import GPT, check_token_ids
+from ..sampling import sample_from_probs
+from .config import GenerationConfig
 
 __all__ = [
     "speculative_generate",
@@ -252,7 +254,8 @@ def verify_draft(
 # --------------------------------------------------------------------------- the decoding loop
 
 
-def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
+def _check_inputs(target, draft, idx: Tensor, config: GenerationConfig) -> int:
+    """Check the models, the prompt and the config for speculative decoding; return max_new_tokens."""
     for name, m in (("target", target), ("draft", draft)):
         if not isinstance(m, GPT):
             raise TypeError(f"{name} must be a gptlab GPT model, got {type(m).__name__}")
@@ -264,10 +267,16 @@ def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
     check_token_ids(idx, target.config.vocab_size)
     if idx.shape[0] != 1:
         raise ValueError(f"speculative_generate decodes one sequence at a time (batch size 1), got batch size {idx.shape[0]}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not isinstance(num_draft_tokens, int) or isinstance(num_draft_tokens, bool) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    max_new_tokens = config.needs_max_new_tokens()
+    s = config.sampling
+    unused = {k: v for k, v in (("min_p", s.min_p), ("repetition_penalty", s.repetition_penalty),
+                                ("frequency_penalty", s.frequency_penalty), ("presence_penalty", s.presence_penalty),
+                                ("eos_token_id", config.eos_token_id)) if v is not None}
+    if config.num_beams != 1:
+        unused["num_beams"] = config.num_beams
+    if unused:
+        raise ValueError(f"speculative_generate applies temperature, top_k and top_p only; the config also sets "
+                         f"{unused}")
     total = idx.shape[1] + max_new_tokens
     for name, m in (("target", target), ("draft", draft)):
         if total > m.config.block_size:
@@ -278,6 +287,7 @@ def _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens):
     d_t, d_d = next(target.parameters()).device, next(draft.parameters()).device
     if d_t != d_d:
         raise ValueError(f"target and draft must be on the same device, got {d_t} and {d_d}")
+    return max_new_tokens
 
 
 @torch.inference_mode()
@@ -285,14 +295,11 @@ def speculative_generate(
     target,
     draft,
     idx: Tensor,
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
+    config: GenerationConfig | None = None,
     *,
-    num_draft_tokens: int = 4,
-    temperature: float = 1.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
     generator: torch.Generator | None = None,
-    fast: bool = True,
+    **settings: Any,
 ) -> tuple[Tensor, SpeculativeStats]:
     """Generate ``max_new_tokens`` tokens from ``target`` with ``draft`` proposing guesses.
 
@@ -300,24 +307,32 @@ def speculative_generate(
         target: the :class:`gptlab.GPT` whose distribution the output follows.
         draft: a (smaller, faster) :class:`gptlab.GPT` with the same vocabulary.
         idx: (1, T) int64 prompt token ids.
-        max_new_tokens: how many tokens to add.
-        num_draft_tokens: ``g``, guesses per round (the last round drafts fewer so that it never
-            overshoots ``max_new_tokens``).
-        temperature, top_k, top_p: the decoding settings, applied to both models' logits
-            (:func:`gptlab.sampling.process_logits`); ``temperature=0`` is greedy.
+        max_new_tokens: how many tokens to add (None: the config's); the prompt and the new tokens
+            must fit in both models' block size.
+        config: a :class:`gptlab.generation.GenerationConfig`; the settings used are
+            ``num_draft_tokens`` (``g``, guesses per round, default 4; the last round drafts fewer
+            so that it never overshoots ``max_new_tokens``), ``sampling``'s temperature, top_k
+            and top_p (applied to both models' logits, :func:`gptlab.sampling.process_logits`;
+            ``temperature=0`` is greedy) and ``fast`` (on a CPU, both models' decode products on
+            packed weights where that is faster on this machine, as :func:`gptlab.generate` runs
+            them). A config that sets min_p, a penalty, eos_token_id or num_beams > 1 is refused.
         generator: a seeded ``torch.Generator`` for reproducible sampling.
-        fast: on a CPU, both models' decode products on packed weights where that is faster on
-            this machine, as :func:`gptlab.generate` runs them (:mod:`gptlab.fast.cpu`).
+        **settings: fields of :class:`GenerationConfig` or :class:`gptlab.sampling.SamplingConfig`
+            replacing the config's (``num_draft_tokens=4, temperature=0``).
 
     Returns:
         ``(ids, stats)``: ids (1, T + max_new_tokens), the prompt followed by the new tokens, and a
         :class:`SpeculativeStats`. Both models are put in eval mode for the call and restored after.
     """
-    _check_inputs(target, draft, idx, max_new_tokens, num_draft_tokens)
     try:
-        sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+        config = GenerationConfig.build(config, max_new_tokens, **settings)
     except TypeError as e:  # a non-number: the same error type as any other bad setting here
+        if str(e).startswith("unknown decoding setting"):
+            raise
         raise ValueError(str(e)) from None
+    max_new_tokens = _check_inputs(target, draft, idx, config)
+    num_draft_tokens = config.num_draft_tokens
+    sampling = config.sampling
     greedy = sampling.greedy
 
     def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
@@ -337,7 +352,7 @@ def speculative_generate(
         m.eval()
     packs = ExitStack()
     try:
-        if fast:  # for the call: the originals are back in the finally clause
+        if config.fast:  # for the call: the originals are back in the finally clause
             packs.enter_context(pack_for_decoding(target, max_new_tokens))
             packs.enter_context(pack_for_decoding(draft, max_new_tokens))
         # Invariant at the top of each round, with n tokens in seq: the target's cache holds

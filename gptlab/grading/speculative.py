@@ -3,11 +3,11 @@
 Tasks:
 
 * ``accept_prob(p, q, token)``: ``min(1, p[token] / q[token])``, compared with
-  :func:`gptlab.speculative.accept_prob` (atol 1e-6, rtol 1e-5: one division);
+  :func:`gptlab.generation.speculative.accept_prob` (atol 1e-6, rtol 1e-5: one division);
 * ``residual_distribution(p, q)``: ``max(0, p - q)`` normalised, compared with
-  :func:`gptlab.speculative.residual_distribution` (atol 1e-6, rtol 1e-5);
+  :func:`gptlab.generation.speculative.residual_distribution` (atol 1e-6, rtol 1e-5);
 * ``expected_tokens_per_pass(alpha, g)``: ``(1 - alpha^(g+1)) / (1 - alpha)``, ``g + 1`` at
-  ``alpha = 1``, compared with :func:`gptlab.speculative.expected_tokens_per_pass` (rel 1e-9);
+  ``alpha = 1``, compared with :func:`gptlab.generation.speculative.expected_tokens_per_pass` (rel 1e-9);
 * ``speculative_step(target_probs, draft_probs, draft_tokens, generator)``: one round. Its
   structure is checked exactly (the accepted guesses are a prefix of the draft, then exactly one
   token of the target's; ``n_accepted = g`` whenever the draft equals the target), and its
@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .. import speculative as _spec
+from ..generation import speculative as _spec
 from .core import (
     ExerciseError,
     Forbidden,
@@ -45,10 +45,10 @@ __all__ = [
 ]
 
 _GPTLAB = (
-    Forbidden(_spec.accept_prob, "gptlab.speculative.accept_prob"),
-    Forbidden(_spec.residual_distribution, "gptlab.speculative.residual_distribution"),
-    Forbidden(_spec.expected_tokens_per_pass, "gptlab.speculative.expected_tokens_per_pass"),
-    Forbidden(_spec.speculative_step, "gptlab.speculative.speculative_step"),
+    Forbidden(_spec.accept_prob, "gptlab.generation.speculative.accept_prob"),
+    Forbidden(_spec.residual_distribution, "gptlab.generation.speculative.residual_distribution"),
+    Forbidden(_spec.expected_tokens_per_pass, "gptlab.generation.speculative.expected_tokens_per_pass"),
+    Forbidden(_spec.speculative_step, "gptlab.generation.speculative.speculative_step"),
     Forbidden(_spec.speculative_generate, "gptlab.speculative_generate"),
 )
 

