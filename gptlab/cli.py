@@ -1,14 +1,14 @@
 """The command line, every command's arguments in one place: ``python -m gptlab COMMAND``.
 
 Commands: ``fetch`` (the course's data), ``train`` (a run), ``sample`` (text from a checkpoint,
-speculatively with ``--draft``), ``bench`` (the benchmarks), ``course`` (the instructor's
-workflow); each with ``--help``. This module turns arguments into calls of the library
-(:mod:`gptlab.data`, :mod:`gptlab.generation`, :mod:`gptlab.checkpoint`, ...), which holds no
-command-line code; ``python -m gptlab`` (:mod:`gptlab.__main__`) runs :func:`main`.
+speculatively with ``--draft``), ``bench`` (the benchmarks of :mod:`gptlab.bench`, each module's
+``run(args)``), ``course`` (the instructor's workflow, :mod:`gptlab.course`); each with ``--help``.
+This module turns arguments into calls of the library (:mod:`gptlab.data`,
+:mod:`gptlab.generation`, :mod:`gptlab.checkpoint`, ...), which holds no command-line code;
+``python -m gptlab`` (:mod:`gptlab.__main__`) runs :func:`main`.
 
-``train``, ``bench`` and ``course`` still add their own subcommands through their package's
-``register_cli(subparsers)`` (``_COMMANDS``); a module that fails to import is an error, never a
-silently missing command.
+``train`` still adds its own subcommand, through ``gptlab.train.register_cli(subparsers)``
+(``_COMMANDS``: a module that fails to import is an error, never a silently missing command).
 """
 
 from __future__ import annotations
@@ -24,13 +24,21 @@ import torch
 from torch import Tensor
 
 from .assets import ASSETS, Asset, AssetError, cache_dir, fetch, sha256_file
+from .bench import autograde as bench_autograde
+from .bench import generate as bench_generate
+from .bench import speculative as bench_speculative
+from .bench import train as bench_train
 from .checkpoint import CheckpointError, load_model, resolve_checkpoint
+from .course import Course, CourseError, feedback, find_course, release, write_grades
+from .course.autograde import autograde, missing_summary
+from .course.collect import collect
 from .data import DEFAULT_FETCH, prepare_char_data
 from .device import pick_device
 from .generation import GenerationConfig, generate, speculative_generate, stream
 from .interop import smollm
 from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
+from .train import RECIPES
 
 __all__ = ["build_parser", "main", "cmd_fetch", "cmd_sample"]
 
@@ -297,6 +305,256 @@ def _add_sample(subparsers) -> None:
     p.set_defaults(func=cmd_sample)
 
 
+# --------------------------------------------------------------------------- python -m gptlab bench
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Adds ``(default: X)`` to an option's help once: not where the help already states its
+    default (``ArgumentDefaultsHelpFormatter`` printed ``(default: see above) (default: None)``),
+    and not for a default that says nothing (None, False, an empty string)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text or default is None or default is False or default == ""
+                or default is argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _bench_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="shakespeare-char-cpu", choices=sorted(RECIPES), help="training recipe")
+    parser.add_argument("--target-loss", type=float, default=None,
+                        help="validation loss to reach (default: 1.886 for shakespeare-char-cpu, 1.47 for "
+                             "shakespeare-char); training stops there")
+    parser.add_argument("--max-steps", type=int, default=None, help="override the recipe's steps")
+    parser.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (default: see above)")
+    parser.add_argument("--out", default=None, help="run folder (default: a temporary one)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--progress", action="store_true", help="show the progress bar")
+
+
+def _bench_generate_arguments(parser) -> None:
+    parser.add_argument("--new-tokens", type=int, default=255, help="tokens generated after a 1-token prompt")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
+    parser.add_argument("--lengths", default="16,32,64,128,255",
+                        help="comma-separated generation lengths for the tokens/s-vs-length sweep ('' = skip)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--n-embd", type=int, default=384,
+                        help="model width (GPT-2 Mini: 384; a small width such as 48 makes the matrix products "
+                             "negligible, so the figures show the per-step overhead alone)")
+    parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 31 tokens, 1 round, short sweep")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", default="bench_generate.png", metavar="PATH",
+                        help="PNG of tokens/s against length ('' = no plot)")
+
+
+def _bench_speculative_arguments(parser) -> None:
+    parser.add_argument("--preset", choices=sorted(bench_speculative.PRESETS), default="default", help="model sizes and training steps")
+    parser.add_argument("--models", default=None, metavar="DIR",
+                        help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
+    parser.add_argument("--gs", default="1,2,3,4,5,6,8", help="comma-separated draft lengths g")
+    parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the models train (if not cached) and run")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--plot", default="bench_speculative.png", metavar="PATH",
+                        help="PNG of speed-up against draft length ('' = no plot)")
+
+
+def _bench_autograde_arguments(parser) -> None:
+    parser.add_argument("--course", default=None, help="the course folder to copy (default: the repository root)")
+    parser.add_argument("--students", type=int, default=20, help="students in the class runs (0: no class runs)")
+    parser.add_argument("--class-assignments", default="",
+                        help="comma-separated assignments of the class runs (default: every assignment)")
+    parser.add_argument("--workers", default="1,2",
+                        help="comma-separated worker counts for the one-submission and the class runs")
+    parser.add_argument("--blank-every", type=int, default=4,
+                        help="every k-th student hands in the blank release (0 = everyone hands in the solution)")
+    parser.add_argument("--timeout", type=int, default=None, help="per-cell time limit (default: the course's)")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 4 students")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+
+
+# name -> (the module whose run(args) measures, the function adding its arguments)
+_BENCHMARKS = {
+    "train": (bench_train, _bench_train_arguments),
+    "generate": (bench_generate, _bench_generate_arguments),
+    "speculative": (bench_speculative, _bench_speculative_arguments),
+    "autograde": (bench_autograde, _bench_autograde_arguments),
+}
+
+
+def _add_bench(subparsers) -> None:
+    """Add ``python -m gptlab bench BENCHMARK``, one subcommand per module of :mod:`gptlab.bench`."""
+    p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative, autograde)")
+    sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name, (module, arguments) in _BENCHMARKS.items():
+        doc = (module.__doc__ or "").strip()
+        bp = sub.add_parser(name, help=doc.splitlines()[0] if doc else None, formatter_class=_DefaultsFormatter)
+        arguments(bp)
+        bp.set_defaults(func=module.run)
+
+
+# --------------------------------------------------------------------------- python -m gptlab course
+
+
+def _course(args) -> Course:
+    return Course(Path(args.course) if args.course else find_course(), args.db)
+
+
+def _friendly(fn):
+    """Run a command; a CourseError is printed as one line and exit status 2, not a traceback."""
+
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (CourseError, ValueError) as e:
+            print(f"python -m gptlab course: error: {e}", file=sys.stderr)
+            return 2
+        except (IsADirectoryError, NotADirectoryError) as e:  # a path given where the other kind is needed
+            print(f"python -m gptlab course: error: {e.strerror}: {e.filename}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def _cmd_release(args) -> int:
+    course = _course(args)
+    for dest in release(course, course.assignments(args.assignments), progress=not args.quiet):
+        print(f"released {dest.relative_to(course.root)}")
+    return 0
+
+
+def _cmd_collect(args) -> int:
+    course = _course(args)
+    got = collect(course, Path(args.dir), args.assignment, dry_run=args.dry_run)
+    verb = "would collect" if args.dry_run else "collected"
+    for student, name, src in got.copied:
+        print(f"{verb} {student}/{name} <- {src}")
+    for message in got.messages:
+        print(message)
+    for src, why in got.skipped:
+        print(f"skipped {src}: {why}")
+    print(f"{len(got.copied)} submission(s) {verb}, {len(got.skipped)} skipped")
+    return 0
+
+
+def _cmd_autograde(args) -> int:
+    course = _course(args)
+    assignments = course.assignments(args.assignments)
+    results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
+                        progress=not args.quiet)
+    for r in sorted(results, key=lambda r: (r["assignment"], r["student"])):
+        notes = f"  ({len(r['notes'])} note(s))" if r["notes"] else ""
+        print(f"{r['assignment']}  {r['student']}: {r['total']:g}{notes}")
+        for n in r["notes"]:
+            print(f"    - {n['message']}")
+    missing = missing_summary(course, assignments, results, args.student or None)
+    if missing:
+        print("missing:")
+        for line in missing:
+            print(f"  {line}")
+    print(f"{len(results)} submission(s) graded into {course.gradebook_url}")
+    return 0
+
+
+def _cmd_feedback(args) -> int:
+    course = _course(args)
+    pages = feedback(course, course.assignments(args.assignments), args.student or None, progress=not args.quiet)
+    print(f"{len(pages)} feedback page(s) in {course.directory('feedback')}")
+    return 0
+
+
+def _cmd_grades(args) -> int:
+    course = _course(args)
+    out = Path(args.output) if args.output else course.root / "grades.csv"
+    if out.is_dir():
+        raise CourseError(f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}")
+    header, rows = write_grades(course, out, args.assignments or None)
+    print(f"{len(rows)} student(s), {len(header) - 2} column(s) of scores -> {out}")
+    return 0
+
+
+def _add_course(subparsers) -> None:
+    """Add ``course`` and its subcommands to ``python -m gptlab``."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--course", metavar="DIR", default=None,
+                        help="the course folder, holding nbgrader_config.py (default: the current folder "
+                             "or the nearest parent with one; none found is an error)")
+    common.add_argument("--db", metavar="URL_OR_PATH", default=None,
+                        help="the gradebook (default: nbgrader_config.py's, gradebook.db in the course)")
+    common.add_argument("--quiet", action="store_true", help="no progress bars")
+
+    p = subparsers.add_parser("course", help="the instructor's workflow: release, collect, autograde, feedback, grades",
+                              description="The instructor's workflow with nbgrader: release the exercises, collect the "
+                              "submissions, autograde them, return feedback, export the grades. "
+                              "See book/instructors.md.")
+    sub = p.add_subparsers(dest="course_command", metavar="STEP")
+    fmt = argparse.HelpFormatter
+
+    r = sub.add_parser("release", parents=[common], formatter_class=fmt,
+                       help="solutions/<a> -> exercises/<a> (nbgrader generate_assignment)",
+                       description="Generate the learners' notebooks of each assignment (all by default) "
+                                   "from solutions/ into exercises/, exactly as nbgrader generate_assignment does.")
+    r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
+    r.set_defaults(func=_friendly(_cmd_release))
+
+    c = sub.add_parser("collect", parents=[common], formatter_class=fmt,
+                       help="copy submissions into submitted/<student>/<assignment>/",
+                       description="Collect submissions from DIR: nbgrader's exchange inbound folder "
+                                   "(<student>+<assignment>+<timestamp>+<random>/, the latest per student wins), "
+                                   "or, with --assignment, a folder of <student>.ipynb files or <student>/ folders.")
+    c.add_argument("dir", metavar="DIR")
+    c.add_argument("--assignment", default=None, help="the assignment of a plain folder of submissions")
+    c.add_argument("--dry-run", action="store_true", help="only say what would be collected")
+    c.set_defaults(func=_friendly(_cmd_collect))
+
+    a = sub.add_parser("autograde", parents=[common], formatter_class=fmt,
+                       help="run the tests of every submission; scores into the gradebook",
+                       description="Autograde the submissions in submitted/ (all assignments by default). "
+                                   "A notebook that is malformed, crashes its kernel, loops or was tampered with "
+                                   "costs only the points it affects, and gets a note in the feedback.")
+    a.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
+    a.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
+    a.add_argument("--workers", type=int, default=1, help="students graded in parallel (one process each)")
+    a.add_argument("--timeout", type=int, default=None,
+                   help="time limit per cell in seconds (default: nbgrader_config.py's Execute.timeout); "
+                        "cells declaring {\"gptlab\": {\"timeout\": S}} keep theirs")
+    a.set_defaults(func=_friendly(_cmd_autograde))
+
+    f = sub.add_parser("feedback", parents=[common], formatter_class=fmt,
+                       help="HTML feedback per student, with the autograder's notes",
+                       description="Write feedback/<student>/<assignment>/<notebook>.html for every autograded "
+                                   "submission (nbgrader generate_feedback), with the autograder's notes on top.")
+    f.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
+    f.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
+    f.set_defaults(func=_friendly(_cmd_feedback))
+
+    g = sub.add_parser("grades", parents=[common], formatter_class=fmt,
+                       help="grades CSV: a row per student, a column per assignment and test cell, the total",
+                       description="Write the gradebook as CSV: one row per student; for each assignment its "
+                                   "total and one column per test cell (<assignment>/<grade_id>); the total.")
+    g.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="default: every assignment in the gradebook")
+    g.add_argument("--output", "-o", default=None, help="CSV path (default: grades.csv in the course folder)")
+    g.set_defaults(func=_friendly(_cmd_grades))
+
+    def _no_step(args) -> int:
+        p.print_help()
+        return 2
+
+    p.set_defaults(func=_no_step)
+
+
 # --------------------------------------------------------------------------- the parser and main
 
 # (module, command) in the order of the help: a module adds its command with register_cli(subparsers);
@@ -305,10 +563,10 @@ _COMMANDS = [
     (None, "fetch"),
     ("gptlab.train", "train"),
     (None, "sample"),
-    ("gptlab.bench", "bench"),
-    ("gptlab.course", "course"),
+    (None, "bench"),
+    (None, "course"),
 ]
-_HERE = {"fetch": _add_fetch, "sample": _add_sample}
+_HERE = {"fetch": _add_fetch, "sample": _add_sample, "bench": _add_bench, "course": _add_course}
 
 
 def build_parser() -> argparse.ArgumentParser:

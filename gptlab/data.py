@@ -17,6 +17,7 @@ Where this sits: text -> tokens -> *batches* -> model -> logits -> loss.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,8 +81,6 @@ def _write_bin(path: Path, ids: np.ndarray) -> str:
 
 def _meta_ok(data_dir: Path, source_sha: str) -> dict | None:
     """meta.json if the prepared files exist, match it and come from this corpus; else None."""
-    import json
-
     try:
         meta = json.loads((data_dir / "meta.json").read_text(encoding="utf-8"))
         if meta.get("format") != _FORMAT or meta.get("source_sha256") != source_sha:

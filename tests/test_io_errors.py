@@ -117,11 +117,11 @@ def test_course_outside_a_course_folder_is_refused(tmp_path, monkeypatch, capsys
 
 
 def test_course_finds_the_course_folder_above_the_current_one(course_dir, monkeypatch, capsys):
-    from gptlab.course import _find_course
+    from gptlab.course import find_course
 
     (course_dir / "sub" / "deeper").mkdir(parents=True)
     monkeypatch.chdir(course_dir / "sub" / "deeper")
-    assert _find_course() == course_dir.resolve()
+    assert find_course() == course_dir.resolve()
 
 
 def test_course_grades_output_an_existing_folder(course_dir, tmp_path, capsys):

@@ -27,29 +27,21 @@ from __future__ import annotations
 import copy
 import json
 import os
+import resource
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+from ..course import Course, CourseError, release
+from ..course.autograde import autograde
 from ..device import cpu_model
+from ..files import atomic_write_text
 from . import machine_name
 
-__all__ = ["add_arguments", "run"]
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--course", default=None, help="the course folder to copy (default: the repository root)")
-    parser.add_argument("--students", type=int, default=20, help="students in the class runs (0: no class runs)")
-    parser.add_argument("--class-assignments", default="",
-                        help="comma-separated assignments of the class runs (default: every assignment)")
-    parser.add_argument("--workers", default="1,2",
-                        help="comma-separated worker counts for the one-submission and the class runs")
-    parser.add_argument("--blank-every", type=int, default=4,
-                        help="every k-th student hands in the blank release (0 = everyone hands in the solution)")
-    parser.add_argument("--timeout", type=int, default=None, help="per-cell time limit (default: the course's)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 4 students")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
+__all__ = ["run"]
 
 
 def _solved(release: dict, solution: dict) -> dict:
@@ -80,8 +72,6 @@ def _submit(course: Path, assignments: list[str], students: list[str], blank_eve
 
 def _cpu_seconds() -> float:
     """CPU time of this process and of its finished descendants (worker processes, kernels)."""
-    import resource
-
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
@@ -109,10 +99,6 @@ def _fresh_gradebook(course: Path) -> None:
 
 
 def run(args) -> int:
-    from ..course import Course, release
-    from ..course import CourseError
-    from ..course.autograde import autograde
-
     src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
     if not (src / "nbgrader_config.py").is_file() or not (src / "solutions").is_dir():
         print(f"gptlab bench autograde: error: {src} has no nbgrader_config.py and solutions/ (pass --course)")
@@ -124,8 +110,6 @@ def run(args) -> int:
         print(f"gptlab bench autograde: error: --workers must be comma-separated integers, got {args.workers!r}")
         return 2
     load_before = os.getloadavg()
-    import torch
-
     fig: dict = {"benchmark": "autograde", "machine": machine_name(), "cpu_model": cpu_model(),
                  "cpu_count": os.cpu_count(), "torch": torch.__version__,
                  "load_average_before": load_before, "students": n_students, "blank_every": args.blank_every,
@@ -234,8 +218,6 @@ def run(args) -> int:
         flag = f"   (declared limit {limits[k]:g} s)" if k in limits else ("   OVER 5 s" if s >= 5 else "")
         print(f"  {k:60s} {s:6.2f}{flag}")
     if args.json:
-        from ..files import atomic_write_text as atomic_write
-
-        atomic_write(Path(args.json), json.dumps(fig, indent=2) + "\n")
+        atomic_write_text(Path(args.json), json.dumps(fig, indent=2) + "\n")
         print(f"wrote {args.json}")
     return 0

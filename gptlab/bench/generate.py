@@ -45,43 +45,23 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..fast.cpu import calibration_path, last_plan
+from ..fast.cpu import batched_product, blocks_product, calibration_path, last_plan, row_blocks
 from ..files import atomic_path, atomic_write_json
+from ..generation import generate
+from ..model import GPT, GPTConfig
 from . import machine_name
 
-__all__ = ["add_arguments", "run", "mini_model"]
+__all__ = ["run", "mini_model"]
 
 
 def mini_model(seed: int = 0, n_embd: int = 384):
     """GPT-2 Mini with random weights (the course's character-level model's shape)."""
-    from ..model import GPT, GPTConfig
-
     torch.manual_seed(seed)
     cfg = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=n_embd, dropout=0.0)
     return GPT(cfg).eval()
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--new-tokens", type=int, default=255, help="tokens generated after a 1-token prompt")
-    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds per contender")
-    parser.add_argument("--lengths", default="16,32,64,128,255",
-                        help="comma-separated generation lengths for the tokens/s-vs-length sweep ('' = skip)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--n-embd", type=int, default=384,
-                        help="model width (GPT-2 Mini: 384; a small width such as 48 makes the matrix products "
-                             "negligible, so the figures show the per-step overhead alone)")
-    parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 31 tokens, 1 round, short sweep")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
-    parser.add_argument("--plot", default="bench_generate.png", metavar="PATH",
-                        help="PNG of tokens/s against length ('' = no plot)")
-
-
 def _contenders(model, hf, n_new: int, device) -> dict:
-    from ..generation import generate
-    from ..fast.cpu import batched_product, blocks_product, row_blocks
-
     parts = 2 * torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)

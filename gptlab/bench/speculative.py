@@ -33,10 +33,15 @@ from pathlib import Path
 
 import torch
 
+from ..assets import cache_dir
+from ..checkpoint import load_model
+from ..data import prepare_char_data
 from ..files import atomic_path, atomic_write_text
+from ..generation import SpeculativeStats, generate, speculative_generate
+from ..train import get_recipe, train
 from . import machine_name
 
-__all__ = ["add_arguments", "run", "PRESETS", "trained_models"]
+__all__ = ["run", "PRESETS", "trained_models"]
 
 # Training configurations (overrides of gptlab.train's "shakespeare-char-cpu" recipe).
 _COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, min_lr=2e-4, warmup_steps=30,
@@ -56,26 +61,7 @@ PRESETS: dict[str, dict[str, dict]] = {
 }
 
 
-def add_arguments(parser) -> None:
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="model sizes and training steps")
-    parser.add_argument("--models", default=None, metavar="DIR",
-                        help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
-    parser.add_argument("--gs", default="1,2,3,4,5,6,8", help="comma-separated draft lengths g")
-    parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
-    parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (0 = greedy)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cpu", help="cpu or cuda: where the models train (if not cached) and run")
-    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
-    parser.add_argument("--plot", default="bench_speculative.png", metavar="PATH",
-                        help="PNG of speed-up against draft length ('' = no plot)")
-
-
 def _train_config(preset: str, role: str, teacher: str | None = None, device: str = "cpu"):
-    from ..train import get_recipe
-
     spec = dict(PRESETS[preset][role])
     if spec.pop("distill", False):
         if teacher is None:
@@ -95,10 +81,6 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
     characters if they are not cached yet (the cache does not depend on the training device).
     Returns ``(target, draft, info)``; info holds each model's folder, size and final validation
     loss."""
-    from ..assets import cache_dir
-    from ..checkpoint import load_model
-    from ..train import train
-
     root = Path(models_dir) if models_dir else cache_dir() / "bench-speculative"
     models, info = {}, {}
     for role in ("target", "draft"):  # the target first: the draft learns from it
@@ -123,17 +105,12 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
 
 
 def _prompts(n: int, length: int = 16) -> list[torch.Tensor]:
-    from ..data import prepare_char_data
-
     val = prepare_char_data(quiet=True).val
     step = (len(val) - length) // max(n, 1)
     return [torch.tensor(val[i * step : i * step + length].astype("int64"))[None] for i in range(n)]
 
 
 def run(args) -> int:
-    from ..generation import generate
-    from ..generation import SpeculativeStats, speculative_generate
-
     if args.threads:
         torch.set_num_threads(args.threads)
     gs = [int(g) for g in args.gs.split(",") if g.strip()]

@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write_text
+from ..files import LockError, atomic_write_text
+from ..train import RunFolderError, get_recipe, train
 from . import machine_name
 
-__all__ = ["add_arguments", "run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
+__all__ = ["run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
 
 # Validation-loss targets per recipe: nanoGPT's published CPU-recipe result (1.886) and its GPU
 # baby-GPT result (1.4697, rounded up to 1.47).
@@ -69,27 +70,7 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> tu
     return None, f"no peak known for {device.type}: pass --peak-tflops"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..train import RECIPES
-
-    parser.add_argument("--recipe", default="shakespeare-char-cpu", choices=sorted(RECIPES), help="training recipe")
-    parser.add_argument("--target-loss", type=float, default=None,
-                        help="validation loss to reach (default: 1.886 for shakespeare-char-cpu, 1.47 for "
-                             "shakespeare-char); training stops there")
-    parser.add_argument("--max-steps", type=int, default=None, help="override the recipe's steps")
-    parser.add_argument("--device", default=None, help="auto, cpu, cuda, cuda:N, mps")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
-    parser.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (default: see above)")
-    parser.add_argument("--out", default=None, help="run folder (default: a temporary one)")
-    parser.add_argument("--json", default=None, metavar="PATH", help="also write the figures as JSON")
-    parser.add_argument("--progress", action="store_true", help="show the progress bar")
-
-
 def run(args: argparse.Namespace) -> int:
-    from ..files import LockError
-    from ..train import RunFolderError, get_recipe, train
-
     target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
     overrides: dict = {"target_loss": target, "progress": bool(args.progress), "plot": False}
     if args.max_steps is not None:

@@ -1,4 +1,5 @@
-"""The instructor's workflow: ``python -m gptlab course {release,collect,autograde,feedback,grades}``.
+"""The instructor's workflow, run by ``python -m gptlab course {release,collect,autograde,feedback,grades}``
+(the commands' arguments are in :mod:`gptlab.cli`).
 
 Where this sits: beside the pipeline (text -> tokens -> batches -> model -> logits -> loss |
 samples -> text). Learners write pieces of that pipeline in nbgrader notebooks; these commands
@@ -21,7 +22,6 @@ See ``book/instructors.md`` for the whole workflow, on one machine and on a Jupy
 
 from __future__ import annotations
 
-import argparse
 import csv
 import html
 import io
@@ -33,7 +33,7 @@ from pathlib import Path
 from ..files import atomic_write_text as atomic_write
 from ._common import Course, CourseError, run_converter
 
-__all__ = ["Course", "CourseError", "release", "feedback", "grades_table", "write_grades", "register_cli"]
+__all__ = ["Course", "CourseError", "release", "feedback", "grades_table", "write_grades", "find_course"]
 
 
 # --------------------------------------------------------------------------- release
@@ -216,14 +216,10 @@ def write_grades(course: Course, path: Path, assignments: list[str] | None = Non
     return header, rows
 
 
-# --------------------------------------------------------------------------- command line
+# --------------------------------------------------------------------------- the course folder
 
 
-def _course(args) -> Course:
-    return Course(Path(args.course) if args.course else _find_course(), args.db)
-
-
-def _find_course() -> Path:
+def find_course() -> Path:
     """The current folder or its nearest parent holding ``nbgrader_config.py``.
 
     There is no fallback (it used to be the installed package's checkout, so a command run from
@@ -238,151 +234,3 @@ def _find_course() -> Path:
         f"no course folder at {here} or above it: a course folder holds nbgrader_config.py (and solutions/, "
         "exercises/, the gradebook); run the command inside one, or pass --course DIR"
     )
-
-
-def _friendly(fn):
-    """Run a command; a CourseError is printed as one line and exit status 2, not a traceback."""
-
-    def run(args) -> int:
-        try:
-            return fn(args)
-        except (CourseError, ValueError) as e:
-            print(f"python -m gptlab course: error: {e}", file=sys.stderr)
-            return 2
-        except (IsADirectoryError, NotADirectoryError) as e:  # a path given where the other kind is needed
-            print(f"python -m gptlab course: error: {e.strerror}: {e.filename}", file=sys.stderr)
-            return 2
-
-    return run
-
-
-def _cmd_release(args) -> int:
-    course = _course(args)
-    for dest in release(course, course.assignments(args.assignments), progress=not args.quiet):
-        print(f"released {dest.relative_to(course.root)}")
-    return 0
-
-
-def _cmd_collect(args) -> int:
-    from .collect import collect
-
-    course = _course(args)
-    got = collect(course, Path(args.dir), args.assignment, dry_run=args.dry_run)
-    verb = "would collect" if args.dry_run else "collected"
-    for student, name, src in got.copied:
-        print(f"{verb} {student}/{name} <- {src}")
-    for message in got.messages:
-        print(message)
-    for src, why in got.skipped:
-        print(f"skipped {src}: {why}")
-    print(f"{len(got.copied)} submission(s) {verb}, {len(got.skipped)} skipped")
-    return 0
-
-
-def _cmd_autograde(args) -> int:
-    from .autograde import autograde, missing_summary
-
-    course = _course(args)
-    assignments = course.assignments(args.assignments)
-    results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
-                        progress=not args.quiet)
-    for r in sorted(results, key=lambda r: (r["assignment"], r["student"])):
-        notes = f"  ({len(r['notes'])} note(s))" if r["notes"] else ""
-        print(f"{r['assignment']}  {r['student']}: {r['total']:g}{notes}")
-        for n in r["notes"]:
-            print(f"    - {n['message']}")
-    missing = missing_summary(course, assignments, results, args.student or None)
-    if missing:
-        print("missing:")
-        for line in missing:
-            print(f"  {line}")
-    print(f"{len(results)} submission(s) graded into {course.gradebook_url}")
-    return 0
-
-
-def _cmd_feedback(args) -> int:
-    course = _course(args)
-    pages = feedback(course, course.assignments(args.assignments), args.student or None, progress=not args.quiet)
-    print(f"{len(pages)} feedback page(s) in {course.directory('feedback')}")
-    return 0
-
-
-def _cmd_grades(args) -> int:
-    course = _course(args)
-    out = Path(args.output) if args.output else course.root / "grades.csv"
-    if out.is_dir():
-        raise CourseError(f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}")
-    header, rows = write_grades(course, out, args.assignments or None)
-    print(f"{len(rows)} student(s), {len(header) - 2} column(s) of scores -> {out}")
-    return 0
-
-
-def register_cli(subparsers) -> None:
-    """Add ``course`` and its subcommands to ``python -m gptlab``."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--course", metavar="DIR", default=None,
-                        help="the course folder, holding nbgrader_config.py (default: the current folder "
-                             "or the nearest parent with one; none found is an error)")
-    common.add_argument("--db", metavar="URL_OR_PATH", default=None,
-                        help="the gradebook (default: nbgrader_config.py's, gradebook.db in the course)")
-    common.add_argument("--quiet", action="store_true", help="no progress bars")
-
-    p = subparsers.add_parser("course", help="the instructor's workflow: release, collect, autograde, feedback, grades",
-                              description="The instructor's workflow with nbgrader: release the exercises, collect the "
-                              "submissions, autograde them, return feedback, export the grades. "
-                              "See book/instructors.md.")
-    sub = p.add_subparsers(dest="course_command", metavar="STEP")
-    fmt = argparse.HelpFormatter
-
-    r = sub.add_parser("release", parents=[common], formatter_class=fmt,
-                       help="solutions/<a> -> exercises/<a> (nbgrader generate_assignment)",
-                       description="Generate the learners' notebooks of each assignment (all by default) "
-                                   "from solutions/ into exercises/, exactly as nbgrader generate_assignment does.")
-    r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    r.set_defaults(func=_friendly(_cmd_release))
-
-    c = sub.add_parser("collect", parents=[common], formatter_class=fmt,
-                       help="copy submissions into submitted/<student>/<assignment>/",
-                       description="Collect submissions from DIR: nbgrader's exchange inbound folder "
-                                   "(<student>+<assignment>+<timestamp>+<random>/, the latest per student wins), "
-                                   "or, with --assignment, a folder of <student>.ipynb files or <student>/ folders.")
-    c.add_argument("dir", metavar="DIR")
-    c.add_argument("--assignment", default=None, help="the assignment of a plain folder of submissions")
-    c.add_argument("--dry-run", action="store_true", help="only say what would be collected")
-    c.set_defaults(func=_friendly(_cmd_collect))
-
-    a = sub.add_parser("autograde", parents=[common], formatter_class=fmt,
-                       help="run the tests of every submission; scores into the gradebook",
-                       description="Autograde the submissions in submitted/ (all assignments by default). "
-                                   "A notebook that is malformed, crashes its kernel, loops or was tampered with "
-                                   "costs only the points it affects, and gets a note in the feedback.")
-    a.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    a.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
-    a.add_argument("--workers", type=int, default=1, help="students graded in parallel (one process each)")
-    a.add_argument("--timeout", type=int, default=None,
-                   help="time limit per cell in seconds (default: nbgrader_config.py's Execute.timeout); "
-                        "cells declaring {\"gptlab\": {\"timeout\": S}} keep theirs")
-    a.set_defaults(func=_friendly(_cmd_autograde))
-
-    f = sub.add_parser("feedback", parents=[common], formatter_class=fmt,
-                       help="HTML feedback per student, with the autograder's notes",
-                       description="Write feedback/<student>/<assignment>/<notebook>.html for every autograded "
-                                   "submission (nbgrader generate_feedback), with the autograder's notes on top.")
-    f.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    f.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
-    f.set_defaults(func=_friendly(_cmd_feedback))
-
-    g = sub.add_parser("grades", parents=[common], formatter_class=fmt,
-                       help="grades CSV: a row per student, a column per assignment and test cell, the total",
-                       description="Write the gradebook as CSV: one row per student; for each assignment its "
-                                   "total and one column per test cell (<assignment>/<grade_id>); the total.")
-    g.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="default: every assignment in the gradebook")
-    g.add_argument("--output", "-o", default=None, help="CSV path (default: grades.csv in the course folder)")
-    g.set_defaults(func=_friendly(_cmd_grades))
-
-    def _no_step(args) -> int:
-        p.print_help()
-        return 2
-
-    p.set_defaults(func=_no_step)
-

@@ -22,14 +22,18 @@ edit) is an :class:`gptlab.assets.AssetError` naming the file (``verify=False`` 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 from functools import partial
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from ..assets import Asset, AssetError, cache_dir, fetch, register_asset, sha256_file, sha256_json, verify_hashes
+from ..device import pick_device
 from ..files import atomic_dir
 from ..progress import progress_bar
 from ..model import GPT, GPTConfig
@@ -60,8 +64,6 @@ def converted_dir() -> Path:
 
 def _device(device: str | torch.device | None) -> torch.device:
     if device is None:
-        from ..device import pick_device
-
         return pick_device()
     return torch.device(device)
 
@@ -73,8 +75,6 @@ def load_smollm2_hf(device: str | torch.device | None = "cpu", *, quiet: bool = 
     the HF tokenizer read from the same file. Needs ``transformers``, ``gguf`` and ``accelerate``;
     takes tens of seconds on a CPU (de-quantisation).
     """
-    import importlib.util
-
     missing = [m for m in ("transformers", "gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ImportError(f"load_smollm2_hf needs transformers, gguf and accelerate; missing {missing}: "
@@ -145,9 +145,7 @@ def _load_converted(folder: Path, device: torch.device, dtype: torch.dtype, veri
     A cache of this version whose files do not match the sha256s it records (``verify``) raises
     :class:`AssetError`, one whose config is not a valid GPTConfig ``TypeError`` or ``ValueError``
     naming its config.json: each names the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # the optional extra gptlab[hf]: imported where it is needed
 
     try:
         meta = json.loads((folder / _META).read_text())
@@ -182,8 +180,6 @@ def _save_converted(folder: Path, model: GPT, tokenizer) -> None:
     """Write model.safetensors + tokenizer/ + config.json (last: the sha256 of each file as written,
     then of its own content) into a temporary folder beside ``folder`` and swap it in
     (:func:`gptlab.files.atomic_dir`), so readers never see half a cache."""
-    from safetensors.torch import save_file
-
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.config.tie_weights:
         state.pop("lm_head.weight")  # the same tensor as wte (safetensors refuses shared storage)
