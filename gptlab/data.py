@@ -29,7 +29,7 @@ from torch import Tensor
 
 from .assets import ASSETS, Asset, cache_dir, fetch, sha256_file
 from .files import atomic_write_bytes, atomic_write_json
-from .tokenizers import CharTokenizer, GPT2Tokenizer, tokenizer_from_dict
+from .tokenizers import CharTokenizer, tokenizer_from_dict
 
 __all__ = [
     "shakespeare_text",
