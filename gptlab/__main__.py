@@ -14,7 +14,7 @@ import sys
 # (module, subcommand) pairs; a module's register_cli adds its subparser and sets `func`.
 _COMMANDS = [
     ("gptlab.data", "fetch"),
-    ("gptlab.train", "train"),
+    ("gptlab.train.cli", "train"),
     ("gptlab.generation", "sample"),
     ("gptlab.bench", "bench"),
     ("gptlab.course", "course"),

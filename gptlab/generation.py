@@ -521,7 +521,7 @@ def _check_sample_args(args) -> None:
 def _load(path: str, what: str, device):
     """``load_model(path)``: a folder that holds no checkpoint is a usage error (exit 2), one that
     cannot be read a ``RuntimeError`` (exit 1)."""
-    from .checkpoint import CheckpointError, load_model, resolve_checkpoint  # only the command needs it
+    from .train.checkpoint import CheckpointError, load_model, resolve_checkpoint  # only the command needs it
 
     try:
         resolve_checkpoint(path)

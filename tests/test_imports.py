@@ -107,9 +107,36 @@ def test_no_import_cycles():
 def test_model_parts_import_nothing_downstream(module):
     """The model's parts sit upstream of generation, training and interop."""
     graph, _ = _graph()
-    downstream = {"gptlab.generation", "gptlab.speculative", "gptlab.train", "gptlab.checkpoint", "gptlab.hf",
-                  "gptlab.smollm", "gptlab.model"}
-    assert graph[f"gptlab.{module}"] & downstream == set()
+    downstream = {"gptlab.generation", "gptlab.speculative", "gptlab.hf", "gptlab.smollm", "gptlab.model"}
+    deps = graph[f"gptlab.{module}"]
+    assert deps & downstream == set()
+    assert [m for m in deps if m == "gptlab.train" or m.startswith("gptlab.train.")] == []
+
+
+# gptlab.train's modules in the data's order: each imports only those before it (and the package's
+# modules outside gptlab.train); the package's __init__ re-exports, and the command line comes last.
+TRAIN_ORDER = ["config", "schedule", "rng", "distributed", "evaluation", "metrics", "checkpoint", "run_folder",
+               "distill", "loop", "cli"]
+
+
+def test_train_modules_are_all_in_the_order():
+    names = {p.stem for p in (PKG / "train").glob("*.py")} - {"__init__"}
+    assert names == set(TRAIN_ORDER), "a module added to gptlab/train/ needs its place in TRAIN_ORDER"
+
+
+@pytest.mark.parametrize("module", TRAIN_ORDER)
+def test_train_modules_import_only_those_before_them(module):
+    graph, _ = _graph()
+    before = {f"gptlab.train.{m}" for m in TRAIN_ORDER[: TRAIN_ORDER.index(module)]}
+    inside = {m for m in graph[f"gptlab.train.{module}"] if m == "gptlab.train" or m.startswith("gptlab.train.")}
+    assert inside <= before, f"gptlab.train.{module} imports {sorted(inside - before)}, which come after it"
+
+
+def test_only_the_command_line_of_training_parses_arguments():
+    """The library modules of gptlab.train take values, never an argparse namespace: ``argparse``
+    is imported by gptlab.train.cli alone."""
+    users = [m for m in TRAIN_ORDER if "argparse" in (PKG / "train" / f"{m}.py").read_text(encoding="utf-8")]
+    assert users == ["cli"]
 
 
 # The modules a learner reads as the definition of the model and its pieces. The speed-ups of

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gptlab.__main__ import main
-from gptlab.checkpoint import load_model
+from gptlab.train.checkpoint import load_model
 from gptlab.device import pick_device
 from gptlab.train import (RECIPES, Trainer, TrainConfig, TrainingInterrupted, get_recipe, lr_at, read_metrics, train,
                           val_windows)

@@ -1,7 +1,7 @@
 """Several training processes (``torchrun``): who they are and the few exchanges between them.
 
-Where this sits: beside the training loop (:mod:`gptlab.train`) and its evaluation
-(:mod:`gptlab.evaluation`). Data-parallel training runs one process per GPU (or several CPU
+Where this sits: beside the training loop (:mod:`gptlab.train.loop`) and its evaluation
+(:mod:`gptlab.train.evaluation`). Data-parallel training runs one process per GPU (or several CPU
 processes); each draws its own batches and DistributedDataParallel averages the gradients. The
 loop itself needs little more: which process it is (:class:`DistInfo`, from the environment
 ``torchrun`` sets, by :func:`setup_distributed`), a mean or sum of a number over the processes
