@@ -27,7 +27,8 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write_text
+from ..files import LockError, atomic_write_text
+from ..train import RECIPES, RunFolderError, get_recipe, train
 from . import machine_name
 
 __all__ = ["add_arguments", "run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
@@ -70,8 +71,6 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> tu
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..train import RECIPES
-
     parser.add_argument("--recipe", default="shakespeare-char-cpu", choices=sorted(RECIPES), help="training recipe")
     parser.add_argument("--target-loss", type=float, default=None,
                         help="validation loss to reach (default: 1.886 for shakespeare-char-cpu, 1.47 for "
@@ -87,9 +86,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..files import LockError
-    from ..train import RunFolderError, get_recipe, train
-
     target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
     overrides: dict = {"target_loss": target, "progress": bool(args.progress), "plot": False}
     if args.max_steps is not None:

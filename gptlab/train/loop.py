@@ -46,7 +46,7 @@ from ..files import FolderLock, fsync_path, lock_folder, remove_stale_temps
 from ..model import GPT
 from ..progress import progress_bar
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from .config import MODEL_FIELDS, TrainConfig
+from .config import TrainConfig
 from .distill import distillation_loss, load_teacher
 from .distributed import all_gather_objects, all_mean, all_sum_, barrier, close_distributed, setup_distributed
 from .evaluation import mean_cross_entropy, val_windows
@@ -59,7 +59,7 @@ from .schedule import lr_at
 __all__ = ["Trainer", "train", "TrainingInterrupted"]
 
 RESUME_FIELDS = ("batch_size", "grad_accum", "seed")
-"""Besides the model's shape (every field but ``dropout``), what a resumed run must share with its checkpoint."""
+"""Besides the model, what a resumed run must share with its checkpoint's."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -222,16 +222,15 @@ class Trainer:
         self.log_rows = [r for r in self._read_log(self.log_path) if r["step"] <= self.step]
 
     def _check_resumable(self, saved: dict) -> None:
-        """Refuse a checkpoint whose run (its saved config, either dict form) had another model
-        shape, batch or seed than this one: the continuation would not be that run."""
+        """Refuse a checkpoint whose run (its saved config, either dict form) drew other batches
+        than this one would: the continuation would not be that run. (Its model is checked by
+        :func:`~gptlab.train.checkpoint.load_checkpoint`, against this run's.)"""
         try:
             then = TrainConfig.from_dict(saved)
         except (TypeError, ValueError) as e:
             raise ValueError(f"cannot resume {self.ckpt_dir}: its saved config is not one: {e}") from e
-        pairs = [(k, getattr(then.model, k), getattr(self.cfg.model, k))
-                 for k in MODEL_FIELDS if k not in ("vocab_size", "dropout")]
-        pairs += [(k, getattr(then, k), getattr(self.cfg, k)) for k in RESUME_FIELDS]
-        for k, was, now in pairs:
+        for k in RESUME_FIELDS:
+            was, now = getattr(then, k), getattr(self.cfg, k)
             if was != now:
                 raise ValueError(f"cannot resume {self.ckpt_dir}: it was trained with {k}={was!r}, "
                                  f"this run has {k}={now!r}")
