@@ -28,7 +28,6 @@ TF32 matmuls, fused AdamW, optional ``torch.compile``; several GPUs (or CPU proc
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -42,7 +41,7 @@ import torch.nn as nn
 
 from ..data import CharData, get_batch, prepare_char_data
 from ..device import autocast_dtype, pick_device
-from ..files import FolderLock, fsync_path, lock_folder, remove_stale_temps
+from ..files import fsync_path, remove_stale_temps
 from ..model import GPT
 from ..progress import progress_bar
 from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -52,8 +51,7 @@ from .distributed import all_gather_objects, all_mean, all_sum_, barrier, close_
 from .evaluation import mean_cross_entropy, val_windows
 from .metrics import TrainLog, append_jsonl, plot_metrics, read_jsonl_torn, write_metrics
 from .rng import rng_state, set_rng_state
-from .run_folder import (LOCK_FILE, MANIFEST, RunFolderError, check_run_folder, discard_backup, has_checkpoint,
-                         overwrite_backup, recover_run_folder, restore_run, set_run_aside)
+from .run_folder import RunFolder
 from .schedule import lr_at
 
 __all__ = ["Trainer", "train", "TrainingInterrupted"]
@@ -115,14 +113,13 @@ class Trainer:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.log_path = self.out_dir / "train_log.jsonl"
         self.resume, self.overwrite = resume, overwrite
-        self._claimed = False  # whether fit has made the folder this run's
-        self._backup: Path | None = None  # the earlier run set aside by overwrite, until the first save
+        self.folder = RunFolder(self.out_dir, resume=resume, overwrite=overwrite)  # its rules, lock, backup
         self._signal: int | None = None  # SIGINT / SIGTERM received during fit
         self.dropped_bytes = 0  # torn last lines dropped from the logs on resume
         self.dist = setup_distributed(cfg.device)
         try:
             if self.dist.master:
-                self._check_folder()
+                self.folder.check()
             self._setup(cfg, resume)
         except BaseException:
             self.close()
@@ -246,41 +243,7 @@ class Trainer:
                   f"resuming from the checkpoint at step {self.step}", file=sys.stderr)
         return rows
 
-    # ---- the run folder: checked, claimed, saved into
-
-    def _lock(self) -> FolderLock:
-        """Take the run folder's lock (:func:`gptlab.files.lock_folder`)."""
-        return lock_folder(self.out_dir, LOCK_FILE, purpose="training run")
-
-    def _check_folder(self) -> None:
-        """Before anything is loaded: finish an interrupted overwrite, then refuse what would lose a run."""
-        if (overwrite_backup(self.out_dir) / MANIFEST).is_file():
-            with self._lock():
-                recover_run_folder(self.out_dir)
-        check_run_folder(self.out_dir, resume=self.resume, overwrite=self.overwrite)
-
-    def _claim_folder(self) -> None:
-        """Make the locked folder this run's (once per trainer): recheck it, set an earlier run
-        aside with ``overwrite``, clean what killed processes left."""
-        recover_run_folder(self.out_dir)
-        remove_stale_temps(self.ckpt_dir, all_but_mine=True)
-        if self._claimed:
-            return
-        if not self.resume:
-            check_run_folder(self.out_dir, resume=False, overwrite=self.overwrite)
-            self._backup = set_run_aside(self.out_dir) if self.overwrite else None
-        elif has_checkpoint(self.out_dir) and self._saved_step() != self.step:
-            raise RunFolderError(f"{self.out_dir}: its checkpoint changed (now at step {self._saved_step()}) "
-                                 f"since this trainer loaded step {self.step}; create the Trainer again")
-        self._claimed = True
-
-    def _saved_step(self) -> int | None:
-        """The step of the checkpoint in the folder now."""
-        try:
-            state = json.loads((resolve_checkpoint(self.ckpt_dir) / "train_state.json").read_text())
-            return int(state["step"])
-        except (OSError, ValueError, KeyError):
-            return None
+    # ---- the checkpoint
 
     def save(self) -> None:
         """Write the checkpoint (every rank must call it under DDP; rank 0 writes)."""
@@ -300,21 +263,15 @@ class Trainer:
                 "config": self.cfg.to_dict(),
                 "metrics": self.rows[-1] if self.rows else None,
             }
-            if self._claimed:  # this run holds the folder's lock: no other process saves here
+            if self.folder.claimed:  # this run holds the folder's lock: no other process saves here
                 remove_stale_temps(self.ckpt_dir, all_but_mine=True)
             for log in (self.metrics_path, self.log_path):  # the logs up to this step outlast a crash too
                 if log.exists():
                     fsync_path(log)
             save_checkpoint(self.ckpt_dir, self.raw_model, tokenizer=self.tokenizer, optimizer=self.optimizer,
                             train_state=state)
-            self._drop_backup()
+            self.folder.drop_backup()
         barrier(self.dist)
-
-    def _drop_backup(self) -> None:
-        """The new run has its own checkpoint (or has ended): the run it replaced goes for good."""
-        if self._backup is not None:
-            discard_backup(self._backup)
-            self._backup = None
 
     # ---- one optimiser step
 
@@ -524,19 +481,17 @@ class Trainer:
         """
         if until is not None and (not isinstance(until, int) or until < 1):
             raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
-        lock = self._lock() if self.dist.master else None
+        lock = self.folder.lock() if self.dist.master else None
         try:
             with self._signals():  # from here a signal never cuts a file operation short
                 if self.dist.master:
-                    self._claim_folder()
+                    self.folder.claim(self.step)
                 return self._fit(until)
         except BaseException as e:
-            if self._backup is not None:  # stopped before its first checkpoint: the earlier run comes back
-                restore_run(self.out_dir, self._backup)
-                self._backup = None
-                if not isinstance(e, TrainingInterrupted):
-                    print(f"note: this run stopped before its first checkpoint; put back the earlier run of "
-                          f"{self.out_dir}", file=sys.stderr)
+            # stopped before its first checkpoint: the earlier run comes back
+            if self.folder.put_back() and not isinstance(e, TrainingInterrupted):
+                print(f"note: this run stopped before its first checkpoint; put back the earlier run of "
+                      f"{self.out_dir}", file=sys.stderr)
             raise
         finally:
             if lock is not None:
@@ -609,7 +564,7 @@ class Trainer:
         if self.cfg.save:
             self.save()
         else:
-            self._drop_backup()
+            self.folder.drop_backup()
         if self.dist.master and self.cfg.plot and self.rows:
             plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters",
                          log_rows=self.log_rows, grad_clip=self.cfg.grad_clip)

@@ -6,6 +6,7 @@ before it loads anything and while it holds the folder's lock. A folder holds on
 earlier run aside (:func:`set_run_aside`, in :func:`overwrite_backup`) until the new run's first
 checkpoint and puts it back (:func:`restore_run`) if the new run stops before; ``resume`` needs a
 checkpoint; what a killed process left half done is finished by :func:`recover_run_folder`.
+:class:`RunFolder` applies these rules for one trainer.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..files import atomic_write_json
-from .checkpoint import CheckpointError, resolve_checkpoint
+from ..files import FolderLock, atomic_write_json, lock_folder, remove_stale_temps
+from .checkpoint import TRAIN_STATE_FILE, CheckpointError, resolve_checkpoint
 
-__all__ = ["RUN_FILES", "LOCK_FILE", "MANIFEST", "RunFolderError", "run_entries", "has_checkpoint",
-           "overwrite_backup", "discard_backup", "set_run_aside", "restore_run", "recover_run_folder", "check_run_folder"]
+__all__ = ["RUN_FILES", "LOCK_FILE", "MANIFEST", "RunFolder", "RunFolderError", "run_entries", "has_checkpoint",
+           "saved_step", "overwrite_backup", "discard_backup", "set_run_aside", "restore_run", "recover_run_folder", "check_run_folder"]
 
 RUN_FILES = ("ckpt", ".ckpt.old", "metrics.jsonl", "train_log.jsonl", "loss.png")  # what makes a folder a run
 LOCK_FILE = ".gptlab-train.lock"
@@ -144,3 +145,66 @@ def check_run_folder(out_dir: Path, *, resume: bool, overwrite: bool) -> None:
         raise RunFolderError(
             f"cannot resume {out_dir}: it holds {', '.join(names)} but no checkpoint (the run stopped "
             f"before its first save); start it again with --overwrite (overwrite=True)")
+
+
+def saved_step(ckpt_dir: Path) -> int | None:
+    """The step of the checkpoint in ``ckpt_dir`` now (None: none readable)."""
+    try:
+        state = json.loads((resolve_checkpoint(ckpt_dir) / TRAIN_STATE_FILE).read_text())
+        return int(state["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+class RunFolder:
+    """One trainer's folder: checked before anything is loaded (:meth:`check`), locked
+    (:meth:`lock`) and claimed (:meth:`claim`) while it trains; the run that ``overwrite`` replaced
+    is kept (``backup``) until the new run's first checkpoint (:meth:`drop_backup`), and put back
+    if the new run stops before (:meth:`put_back`)."""
+
+    def __init__(self, out_dir: Path, *, resume: bool, overwrite: bool):
+        self.out_dir, self.resume, self.overwrite = Path(out_dir), resume, overwrite
+        self.ckpt_dir = self.out_dir / "ckpt"
+        self.claimed = False  # whether the trainer has made the folder this run's
+        self.backup: Path | None = None  # the earlier run set aside by overwrite, until the first save
+
+    def lock(self) -> FolderLock:
+        """Take the folder's lock (:func:`gptlab.files.lock_folder`): one process at a time."""
+        return lock_folder(self.out_dir, LOCK_FILE, purpose="training run")
+
+    def check(self) -> None:
+        """Before anything is loaded: finish an interrupted overwrite, then refuse what would lose a run."""
+        if (overwrite_backup(self.out_dir) / MANIFEST).is_file():
+            with self.lock():
+                recover_run_folder(self.out_dir)
+        check_run_folder(self.out_dir, resume=self.resume, overwrite=self.overwrite)
+
+    def claim(self, step: int) -> None:
+        """Make the locked folder this run's (once): recheck it, set an earlier run aside with
+        ``overwrite``, clean what killed processes left. ``step``: the step the trainer loaded."""
+        recover_run_folder(self.out_dir)
+        remove_stale_temps(self.ckpt_dir, all_but_mine=True)
+        if self.claimed:
+            return
+        if not self.resume:
+            check_run_folder(self.out_dir, resume=False, overwrite=self.overwrite)
+            self.backup = set_run_aside(self.out_dir) if self.overwrite else None
+        elif has_checkpoint(self.out_dir) and saved_step(self.ckpt_dir) != step:
+            raise RunFolderError(f"{self.out_dir}: its checkpoint changed (now at step {saved_step(self.ckpt_dir)}) "
+                                 f"since this trainer loaded step {step}; create the Trainer again")
+        self.claimed = True
+
+    def drop_backup(self) -> None:
+        """The new run has its own checkpoint (or has ended): the run it replaced goes for good."""
+        if self.backup is not None:
+            discard_backup(self.backup)
+            self.backup = None
+
+    def put_back(self) -> bool:
+        """The new run stopped before its first checkpoint: the run it replaced comes back.
+        Returns whether there was one."""
+        if self.backup is None:
+            return False
+        restore_run(self.out_dir, self.backup)
+        self.backup = None
+        return True
