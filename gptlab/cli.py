@@ -4,31 +4,33 @@ Commands: ``fetch`` (the course's data), ``train`` (a run), ``sample`` (text fro
 speculatively with ``--draft``), ``bench`` (the benchmarks of :mod:`gptlab.bench`, each module's
 ``run(args)``), ``course`` (the instructor's workflow, :mod:`gptlab.course`); each with ``--help``.
 This module turns arguments into calls of the library (:mod:`gptlab.data`,
-:mod:`gptlab.generation`, :mod:`gptlab.checkpoint`, ...), which holds no command-line code;
+:mod:`gptlab.generation`, :mod:`gptlab.train`, ...), which holds no command-line code;
 ``python -m gptlab`` (:mod:`gptlab.__main__`) runs :func:`main`.
 
-``train`` still adds its own subcommand, through ``gptlab.train.register_cli(subparsers)``
-(``_COMMANDS``: a module that fails to import is an error, never a silently missing command).
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import importlib
+import json
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .assets import ASSETS, Asset, AssetError, cache_dir, fetch, sha256_file
 from .bench import autograde as bench_autograde
+from .bench import machine_name
 from .bench import generate as bench_generate
 from .bench import speculative as bench_speculative
 from .bench import train as bench_train
-from .checkpoint import CheckpointError, load_model, resolve_checkpoint
+from .train.checkpoint import CheckpointError, load_model, resolve_checkpoint
 from .course import Course, CourseError, feedback, find_course, release, write_grades
 from .course.autograde import autograde, missing_summary
 from .course.collect import collect
@@ -38,9 +40,11 @@ from .generation import GenerationConfig, generate, speculative_generate, stream
 from .interop import smollm
 from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
-from .train import RECIPES
+from .train import RECIPES, get_recipe, train
+from .train.loop import TrainingInterrupted
+from .train.run_folder import RunFolderError, has_checkpoint, overwrite_backup
 
-__all__ = ["build_parser", "main", "cmd_fetch", "cmd_sample"]
+__all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command"]
 
 
 # --------------------------------------------------------------------------- python -m gptlab fetch
@@ -555,18 +559,142 @@ def _add_course(subparsers) -> None:
     p.set_defaults(func=_no_step)
 
 
+# --------------------------------------------------------------------------- python -m gptlab train
+
+
+def _parse_set(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        k, v = item.split("=", 1)
+        try:
+            out[k.strip()] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k.strip()] = v
+    return out
+
+
+_VALUE_OPTIONS = ("max_steps", "batch_size", "lr", "eval_interval", "log_interval", "seed", "data_dir",
+                  "target_loss", "device", "dtype", "num_threads")
+
+
+def _check_resume(args: argparse.Namespace) -> None:
+    """``--resume`` needs a checkpoint to resume from: refuse rather than start again at step 0."""
+    out = Path(args.out)
+    if args.resume and not (has_checkpoint(out) or has_checkpoint(overwrite_backup(out))):
+        raise RunFolderError(f"cannot resume {out}: it holds no checkpoint ({out / 'ckpt'} is missing); "
+                             f"to start a new run there, leave out --resume")
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The ``python -m gptlab train`` command that continues the run ``args`` describes."""
+    cmd = ["python", "-m", "gptlab", "train", "--recipe", args.recipe, "--out", str(args.out)]
+    for name in _VALUE_OPTIONS:
+        v = getattr(args, name)
+        if v is not None:
+            cmd += ["--" + name.replace("_", "-"), str(v)]
+    for item in args.set or []:
+        cmd += ["--set", item]
+    cmd += ["--compile"] * bool(args.compile) + ["--no-progress"] * bool(args.no_progress) + ["--resume"]
+    return shlex.join(cmd)
+
+
+def _interrupted_line(e: TrainingInterrupted, args: argparse.Namespace) -> str:
+    """The one line the command prints when a signal stopped training."""
+    name = signal.Signals(e.signum).name
+    if e.checkpoint is None:
+        return f"gptlab train: {e}"
+    return (f"gptlab train: stopped by {name} at step {e.step}; checkpoint saved in {e.checkpoint}; "
+            f"resume with: {resume_command(args)}")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """``python -m gptlab train``: a recipe plus overrides, trained into ``--out``."""
+    overrides: dict[str, Any] = {}
+    try:
+        overrides.update(_parse_set(args.set or []))
+        for name in _VALUE_OPTIONS:
+            v = getattr(args, name)
+            if v is not None:
+                overrides[name] = v
+        if args.compile:
+            overrides["compile"] = True
+        if args.no_progress:
+            overrides["progress"] = False
+        cfg = get_recipe(args.recipe, **overrides)
+        _check_resume(args)
+        summary = train(cfg, args.out, resume=args.resume, overwrite=args.overwrite)
+    except TrainingInterrupted as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(_interrupted_line(e, args), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # before training started (loading, setting up): nothing written yet
+        print("gptlab train: interrupted before training started; nothing was written", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as e:
+        print(f"gptlab train: error: {e}", file=sys.stderr)
+        return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"machine: {machine_name()}")
+        print(f"final val loss {summary['val_loss']:.4f} (best {summary['best_val_loss']:.4f}) after "
+              f"{summary['step']} steps, {summary['elapsed_s']:.1f} s ({summary['eval_s']:.1f} s evaluating)")
+        if summary["time_to_target_s"] is not None:
+            print(f"target {summary['target_loss']} reached at step {summary['step_at_target']} after "
+                  f"{summary['time_to_target_s']:.1f} s")
+        out = Path(args.out)
+        print(f"wrote {out / 'metrics.jsonl'}, {out / 'train_log.jsonl'}, {out / 'loss.png'}, {out / 'ckpt'}")
+    return 0
+
+
+def _add_train(subparsers) -> None:
+    """Add ``python -m gptlab train --recipe NAME --out DIR [options]``."""
+    p = subparsers.add_parser(
+        "train", help="train a model from a recipe",
+        description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
+                    "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
+                    "gradient norm every --log-interval steps), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
+                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ... Ctrl-C (or SIGTERM) saves "
+                    "a checkpoint at the current step and prints the command that resumes (exit 130 / 143); one "
+                    "process at a time may train into DIR.",
+        epilog="recipes: " + "; ".join(
+            f"{k} ({c.model.n_layer} layers x {c.model.n_embd}, block {c.model.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
+            for k, c in RECIPES.items()),
+    )
+    p.add_argument("--recipe", required=True, metavar="NAME",
+                   help=f"one of: {', '.join(RECIPES)}")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder")
+    p.add_argument("--max-steps", type=int, help="optimiser steps (the cosine schedule follows)")
+    p.add_argument("--batch-size", type=int, help="sequences per micro-batch")
+    p.add_argument("--lr", type=float, help="peak learning rate")
+    p.add_argument("--eval-interval", type=int, help="evaluate every N steps")
+    p.add_argument("--log-interval", type=int, help="log the training loss, lr and gradient norm every N steps")
+    p.add_argument("--target-loss", type=float, help="stop once the validation loss is <= this")
+    p.add_argument("--seed", type=int, help="random seed")
+    p.add_argument("--data-dir", help="folder of the prepared data (default: the cache)")
+    p.add_argument("--device", help="auto (CUDA, then MPS, then CPU), cpu, cuda, cuda:N or mps")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="autocast dtype (auto: bf16 on GPUs with native bf16, e.g. A100/H100; fp16 + GradScaler on older "
+                        "ones, e.g. T4; fp32 on MPS and CPU)")
+    p.add_argument("--num-threads", type=int, help="CPU threads for torch")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in DIR from its checkpoint DIR/ckpt (an error if there is none)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run DIR holds (without it, or --resume, a DIR holding a run is refused); the "
+                        "earlier run is kept aside until the new run saves its first checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override any TrainConfig field or model field (JSON value), e.g. --set dropout=0.1, "
+                        "--set norm=rmsnorm; repeatable")
+    p.set_defaults(func=cmd_train)
+
+
 # --------------------------------------------------------------------------- the parser and main
 
-# (module, command) in the order of the help: a module adds its command with register_cli(subparsers);
-# module None: the command's arguments are defined above (_HERE).
-_COMMANDS = [
-    (None, "fetch"),
-    ("gptlab.train", "train"),
-    (None, "sample"),
-    (None, "bench"),
-    (None, "course"),
-]
-_HERE = {"fetch": _add_fetch, "sample": _add_sample, "bench": _add_bench, "course": _add_course}
+# the commands in the order of the help, each added by its function above
+_COMMANDS = {"fetch": _add_fetch, "train": _add_train, "sample": _add_sample, "bench": _add_bench,
+             "course": _add_course}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -576,15 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="gptlab: build, train and sample from a GPT-style language model.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module, name in _COMMANDS:
-        if module is None:
-            _HERE[name](sub)
-            continue
-        try:
-            mod = importlib.import_module(module)
-        except ImportError as e:  # fail loudly: a command must not silently disappear
-            raise ImportError(f"python -m gptlab {name}: its module {module} failed to import: {e}") from e
-        mod.register_cli(sub)
+    for add in _COMMANDS.values():
+        add(sub)
     return parser
 
 

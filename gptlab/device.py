@@ -113,7 +113,7 @@ def cuda_bf16_native(device: torch.device | str | int | None = None) -> bool:
 def autocast_dtype(device: torch.device | str, dtype: str = "auto") -> torch.dtype:
     """The dtype training computes in under ``torch.autocast`` on ``device`` (float32: no autocast).
 
-    ``dtype`` is :class:`gptlab.train_config.TrainConfig`'s ``dtype`` (``--dtype`` on the command
+    ``dtype`` is :class:`gptlab.train.TrainConfig`'s ``dtype`` (``--dtype`` on the command
     line). ``"auto"``, the default, picks by device:
 
     * CUDA with native bfloat16 (:func:`cuda_bf16_native`: A100, H100, L4, RTX 30xx/40xx):

@@ -3,7 +3,7 @@
 Where this sits: beside the pipeline; every module that writes a file (the data cache, tokenizers,
 metrics, plots, benchmark results) goes through these. The bytes go to a temporary file in the
 destination folder, which then replaces the destination with :func:`os.replace` (atomic on POSIX
-and Windows). A whole folder (a checkpoint, :mod:`gptlab.checkpoint`) is written the same way by
+and Windows). A whole folder (a checkpoint, :mod:`gptlab.train.checkpoint`) is written the same way by
 :func:`atomic_dir`: into a temporary folder beside it, then swapped in. That temporary folder's
 name holds its creator's host and process id, so that one left behind by a killed process is
 recognised and removed at the next save (:func:`remove_stale_temps`).

@@ -1,4 +1,4 @@
-"""Checkpoints (gptlab.checkpoint): safetensors weights with tied weights stored once, optimiser
+"""Checkpoints (gptlab.train.checkpoint): safetensors weights with tied weights stored once, optimiser
 state and RNG states that round-trip exactly, atomic saves, no unpickling on load."""
 
 from __future__ import annotations
@@ -13,16 +13,15 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gptlab import checkpoint as ck
-from gptlab.checkpoint import (
+from gptlab.train import checkpoint as ck
+from gptlab.train.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_model,
     resolve_checkpoint,
-    rng_state,
     save_checkpoint,
-    set_rng_state,
 )
+from gptlab.train.rng import rng_state, set_rng_state
 from gptlab.model import GPT, GPTConfig
 from gptlab.tokenizers import CharTokenizer
 from tiny_models import tiny_gpt

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from gptlab.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
+from gptlab.train.checkpoint import CheckpointError, load_checkpoint, load_model, save_checkpoint
 from gptlab.tokenizers import CharTokenizer
 from tiny_models import tiny_gpt
 

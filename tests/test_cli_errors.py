@@ -21,7 +21,7 @@ TEXT = "abcdefgh ijklmnop\nqrstuvwxyz"
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory) -> dict:
     """A target (block size 64) and a draft (block size 24) with the same character tokenizer."""
-    from gptlab import checkpoint
+    from gptlab.train import checkpoint
 
     root = tmp_path_factory.mktemp("ckpts")
     tok = CharTokenizer.from_text(TEXT)
@@ -118,7 +118,7 @@ def test_sample_draft_explicit_max_new_tokens_too_large(ckpts, capsys):
 
 
 def test_sample_draft_with_another_vocabulary(ckpts, tmp_path, capsys):
-    from gptlab import checkpoint
+    from gptlab.train import checkpoint
 
     other = GPT(GPTConfig(vocab_size=ckpts["tok"].vocab_size + 3, block_size=64, n_layer=1, n_head=2, n_embd=16))
     checkpoint.save_checkpoint(tmp_path / "o", other)
@@ -129,7 +129,7 @@ def test_sample_draft_with_another_vocabulary(ckpts, tmp_path, capsys):
 
 
 def test_sample_default_prompt_works_without_a_newline_in_the_vocabulary(tmp_path, capsys):
-    from gptlab import checkpoint
+    from gptlab.train import checkpoint
 
     tok = CharTokenizer.from_text("abc")
     checkpoint.save_checkpoint(tmp_path / "c", GPT(GPTConfig(vocab_size=3, block_size=8, n_layer=1, n_head=2,

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 from gptlab.__main__ import main
-from gptlab.checkpoint import load_model
+from gptlab.train.checkpoint import load_model
 from gptlab.train import LOCK_FILE, get_recipe, overwrite_backup, read_metrics, read_train_log, train
 
 SEED = 20261125
@@ -47,8 +47,8 @@ COUNTS: collections.Counter = collections.Counter()
 # written, each flush, each rename; a POINT past the save's last one: right after the save).
 DRIVER = r"""
 import os, sys
-import gptlab.train
-import gptlab.checkpoint as ck, gptlab.files as fl
+import gptlab.train.loop
+import gptlab.train.checkpoint as ck, gptlab.files as fl
 save_no, point, signum = (int(a) for a in sys.argv[1:4])
 state = {"saves": 0, "ops": 0, "fired": False}
 
@@ -89,7 +89,7 @@ def save_checkpoint(*a, **k):
         fire()
     return out
 ck.save_checkpoint = save_checkpoint
-gptlab.train.save_checkpoint = save_checkpoint
+gptlab.train.loop.save_checkpoint = save_checkpoint
 from gptlab.__main__ import main
 sys.exit(main(["train", *sys.argv[4:]]))
 """

@@ -1,4 +1,4 @@
-"""Atomic folder writes (gptlab.files.atomic_dir) and the JSON-safe RNG states (gptlab.rng)."""
+"""Atomic folder writes (gptlab.files.atomic_dir) and the JSON-safe RNG states (gptlab.train.rng)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from gptlab import files, rng
+from gptlab import files
+from gptlab.train import rng
 
 
 def test_atomic_dir_creates_then_replaces_a_folder(tmp_path):

@@ -255,7 +255,7 @@ def test_cli_sample_help():
 
 
 def test_cli_sample_streams_from_a_checkpoint(tmp_path):
-    from gptlab import checkpoint
+    from gptlab.train import checkpoint
     from gptlab.__main__ import main
     from gptlab.tokenizers import CharTokenizer
 
@@ -295,7 +295,7 @@ def test_bench_generate_quick_smoke(tmp_path):
 def test_cli_sample_with_a_draft_decodes_speculatively(tmp_path, capsys):
     """``sample --draft``: greedy speculative output is the target's own greedy output, and the
     statistics are reported; a draft with another vocabulary is a clear error."""
-    from gptlab import checkpoint
+    from gptlab.train import checkpoint
     from gptlab.__main__ import main
     from gptlab.tokenizers import CharTokenizer
 

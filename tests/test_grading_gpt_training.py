@@ -173,7 +173,7 @@ def test_delegation_in_the_graded_run_only_is_caught():
     """A loop that trains by hand for the probe's step count and hands the graded run's schedule to
     gptlab's lr_at is caught in the graded run (the guard watches both runs), and named."""
     from gptlab.grading.core import DelegationError
-    from gptlab.train_config import lr_at as gptlab_lr_at
+    from gptlab.train import lr_at as gptlab_lr_at
 
     ns = _chapter_definitions()
     by_hand = ns["train"]

@@ -103,7 +103,7 @@ def test_no_import_cycles():
     assert cycles == []
 
 
-DOWNSTREAM = ("gptlab.generation", "gptlab.interop", "gptlab.train", "gptlab.checkpoint", "gptlab.model", "gptlab.cli")
+DOWNSTREAM = ("gptlab.generation", "gptlab.interop", "gptlab.train", "gptlab.model", "gptlab.cli")
 
 
 def _is_downstream(m: str) -> bool:
@@ -128,6 +128,32 @@ def test_only_the_entry_point_imports_the_command_line():
     """Library modules hold no command-line code and never import gptlab.cli (only __main__ runs it)."""
     graph, _ = _graph()
     assert sorted(n for n, deps in graph.items() if "gptlab.cli" in deps) == ["gptlab.__main__"]
+
+
+# gptlab.train's modules in the data's order: each imports only those before it (and the package's
+# modules outside gptlab.train); the package's __init__ re-exports. The command is in gptlab/cli.py.
+TRAIN_ORDER = ["config", "schedule", "rng", "distributed", "evaluation", "metrics", "checkpoint", "run_folder",
+               "distill", "loop"]
+
+
+def test_train_modules_are_all_in_the_order():
+    names = {p.stem for p in (PKG / "train").glob("*.py")} - {"__init__"}
+    assert names == set(TRAIN_ORDER), "a module added to gptlab/train/ needs its place in TRAIN_ORDER"
+
+
+@pytest.mark.parametrize("module", TRAIN_ORDER)
+def test_train_modules_import_only_those_before_them(module):
+    graph, _ = _graph()
+    before = {f"gptlab.train.{m}" for m in TRAIN_ORDER[: TRAIN_ORDER.index(module)]}
+    inside = {m for m in graph[f"gptlab.train.{module}"] if m == "gptlab.train" or m.startswith("gptlab.train.")}
+    assert inside <= before, f"gptlab.train.{module} imports {sorted(inside - before)}, which come after it"
+
+
+def test_training_holds_no_command_line_code():
+    """The modules of gptlab.train take values, never an argparse namespace: the ``train``
+    command's arguments are in gptlab/cli.py with every other command's."""
+    users = [m for m in TRAIN_ORDER if "argparse" in (PKG / "train" / f"{m}.py").read_text(encoding="utf-8")]
+    assert users == []
 
 
 # The modules a learner reads as the definition of the model and its pieces. The speed-ups of

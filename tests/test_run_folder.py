@@ -25,7 +25,8 @@ import torch
 from gptlab import files
 from gptlab.__main__ import main
 from gptlab.train import (LOCK_FILE, LockError, RunFolderError, Trainer, TrainingInterrupted, get_recipe,
-                          overwrite_backup, read_metrics, set_run_aside, train)
+                          overwrite_backup, read_metrics, train)
+from gptlab.train.run_folder import set_run_aside
 
 
 def small(**kw):
@@ -374,7 +375,7 @@ def test_a_signal_to_one_ddp_process_stops_all_at_one_step(tmp_path):
     assert json.loads((tmp_path / "b" / "ckpt" / "train_state.json").read_text())["step"] == 8
     assert [o["step"] for o in run(tmp_path / "b", 0, True)] == [20, 20]
     run(tmp_path / "a", 0, False)
-    from gptlab.checkpoint import load_model
+    from gptlab.train.checkpoint import load_model
 
     ma, mb = load_model(tmp_path / "a")[0], load_model(tmp_path / "b")[0]
     for (n, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values()):

@@ -4,6 +4,7 @@ Tiny Shakespeare, exact resume, the command line and its errors. Device selectio
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -13,7 +14,8 @@ import pytest
 import torch
 
 from gptlab.__main__ import main
-from gptlab.checkpoint import load_model
+from gptlab.train.checkpoint import load_model
+from gptlab.config import GPTConfig
 from gptlab.device import pick_device
 from gptlab.train import (RECIPES, Trainer, TrainConfig, TrainingInterrupted, get_recipe, lr_at, read_metrics, train,
                           val_windows)
@@ -218,6 +220,73 @@ def test_bad_configs_raise_clear_errors(tmp_path):
         train(small(data_dir=str(tmp_path / "no-such-dir")), tmp_path / "out")
     with pytest.raises(TypeError, match="TrainConfig"):
         train({"lr": 1}, tmp_path / "out")  # type: ignore[arg-type]
+
+
+def test_the_model_is_a_nested_gptconfig_and_its_fields_work_flat():
+    cpu = get_recipe("shakespeare-char-cpu")
+    assert isinstance(cpu.model, GPTConfig)
+    assert (cpu.model.n_embd, cpu.model.pos_emb, cpu.model.norm, cpu.model.mlp) == (96, "rope", "rmsnorm", "swiglu")
+    assert (cpu.n_layer, cpu.block_size, cpu.norm) == (4, 128, "rmsnorm")  # read flat: the model's
+    assert cpu.tokens_per_step == 16 * 128
+    assert cpu.model_config(65) == dataclasses.replace(cpu.model, vocab_size=65)
+    # set flat (chapter 5's form, get_recipe's and --set's): the model's fields change, nothing else
+    flat = TrainConfig(n_layer=3, n_embd=64, bias=True, lr=3e-3)
+    assert (flat.model.n_layer, flat.model.n_head, flat.model.n_embd, flat.model.bias, flat.lr) == (3, 4, 64, True, 3e-3)
+    assert get_recipe("shakespeare-char-cpu", n_layer=1, pos_emb="learned").model == dataclasses.replace(
+        cpu.model, n_layer=1, pos_emb="learned")
+    assert cpu.with_overrides(model=GPTConfig(n_layer=1, n_head=2, n_embd=32)).model.n_embd == 32
+    with pytest.raises(AttributeError, match="with_overrides"):
+        cpu.n_layer = 2  # the model's field, not the config's
+    with pytest.raises(ValueError, match="GPTConfig: n_embd"):
+        get_recipe("tiny", n_embd=33)  # checked by GPTConfig
+    with pytest.raises(TypeError, match="unknown option"):
+        TrainConfig(n_layers=2)
+
+
+def test_from_dict_reads_both_forms():
+    """to_dict()'s form (the model nested) round-trips; the flat form that run folders and
+    checkpoints written before the model was nested hold (model_kwargs included) reads the same."""
+    for name, cfg in RECIPES.items():
+        d = json.loads(json.dumps(cfg.to_dict()))  # as train_state.json stores it
+        assert isinstance(d["model"], dict) and "n_layer" not in d
+        assert TrainConfig.from_dict(d) == cfg, name
+    cpu = get_recipe("shakespeare-char-cpu", seed=3)
+    old = {k: v for k, v in cpu.to_dict().items() if k != "model"}
+    old.update(n_layer=4, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
+               model_kwargs={"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"})
+    assert TrainConfig.from_dict(old) == cpu
+    del old["log_interval"], old["final_eval_whole_split"]  # older still: fields added since take their defaults
+    assert TrainConfig.from_dict(old) == cpu.with_overrides(log_interval=10, final_eval_whole_split=False)
+    assert TrainConfig.from_dict({**old, "model_kwargs": {}}).model == dataclasses.replace(
+        cpu.model, pos_emb="learned", norm="layernorm", mlp="gelu")
+    with pytest.raises(TypeError, match="unknown option.*'nosuch'"):
+        TrainConfig.from_dict({**old, "nosuch": 1})
+
+
+def test_a_run_saved_in_the_flat_form_resumes(tmp_path):
+    """A checkpoint whose train_state.json holds the flat config (older runs) resumes, bit for bit."""
+    cfg = small(max_steps=12, eval_interval=6, log_interval=3, dropout=0.1, plot=False)
+    whole = train(cfg, tmp_path / "whole")
+    train(cfg, tmp_path / "cut", until=6)
+    state_file = tmp_path / "cut" / "ckpt" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    nested = state["config"]
+    flat = {k: v for k, v in nested.items() if k != "model"}
+    flat.update({k: nested["model"][k] for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")},
+                model_kwargs={})
+    state["config"] = flat
+    state_file.write_text(json.dumps(state))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPTLAB_VERIFY_CHECKPOINTS", "0")  # the hand edit changes the file's recorded sha256
+        resumed = train(cfg, tmp_path / "cut", resume=True)
+    assert resumed["val_loss"] == whole["val_loss"]
+    same = ("step", "train_loss", "val_loss", "lr", "tokens")
+    ra, rb = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("whole", "cut"))
+    assert [[r[k] for k in same] for r in ra] == [[r[k] for k in same] for r in rb]
+    with pytest.raises(ValueError, match="trained with seed=1337, this run has seed=5"):
+        Trainer(cfg.with_overrides(seed=5), tmp_path / "cut", resume=True)
+    with pytest.raises(ValueError, match="model config"):  # the model: checked against the checkpoint's
+        Trainer(cfg.with_overrides(n_layer=3), tmp_path / "cut", resume=True)
 
 
 def test_cli_errors(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The training curve (gptlab.train + gptlab.metrics): ``train_log.jsonl`` rows every
+"""The training curve (gptlab.train.loop + gptlab.train.metrics): ``train_log.jsonl`` rows every
 ``log_interval`` steps (training loss, learning rate, gradient norm checked against a step done by
 hand), evaluation rows at every ``eval_interval``, a whole-split final evaluation, exact resume of
 the log, the two-panel plot, the recipes' evaluation points and the errors."""
@@ -14,7 +14,7 @@ import torch
 
 from gptlab.__main__ import main
 from gptlab.data import get_batch
-from gptlab.metrics import metrics_figure, read_train_log
+from gptlab.train.metrics import metrics_figure, read_train_log
 from gptlab.train import RECIPES, Trainer, get_recipe, lr_at, read_metrics, train, val_windows
 
 QUIET = dict(progress=False, num_threads=1)

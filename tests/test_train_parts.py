@@ -1,5 +1,5 @@
-"""The training loop's parts, each on its own: the processes (gptlab.distributed), the validation
-loss (gptlab.evaluation) and the training log's running sums (gptlab.metrics.TrainLog)."""
+"""The training loop's parts, each on its own: the processes (gptlab.train.distributed), the validation
+loss (gptlab.train.evaluation) and the training log's running sums (gptlab.train.metrics.TrainLog)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import gptlab.train
-from gptlab.distributed import (
+from gptlab.train.distributed import (
     DistInfo, all_gather_objects, all_mean, all_sum_, barrier, close_distributed, setup_distributed,
 )
-from gptlab.evaluation import mean_cross_entropy, val_windows
-from gptlab.metrics import TrainLog, append_jsonl, read_metrics
+from gptlab.train.evaluation import mean_cross_entropy, val_windows
+from gptlab.train.metrics import TrainLog, append_jsonl, read_metrics
 from tiny_models import tiny_gpt
 
 # ------------------------------------------------------------------------------------ distributed
@@ -229,7 +229,7 @@ def test_append_jsonl_adds_rows(tmp_path):
 
 def test_loss_sums_are_float64_except_on_mps():
     """Apple's MPS has no float64: an evaluation there must sum in float32, not crash."""
-    from gptlab.evaluation import sum_dtype
+    from gptlab.train.evaluation import sum_dtype
 
     assert sum_dtype("cpu") == sum_dtype(torch.device("cuda", 0)) == torch.float64
     assert sum_dtype("mps") == sum_dtype(torch.device("mps")) == torch.float32

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from ..assets import cache_dir
-from ..checkpoint import load_model
+from ..train.checkpoint import load_model
 from ..data import prepare_char_data
 from ..files import atomic_path, atomic_write_text
 from ..generation import SpeculativeStats, generate, speculative_generate
@@ -43,20 +43,21 @@ from . import machine_name
 
 __all__ = ["run", "PRESETS", "trained_models"]
 
-# Training configurations (overrides of gptlab.train's "shakespeare-char-cpu" recipe).
+# Training configurations (overrides of gptlab.train's "shakespeare-char-cpu" recipe; the drafts are GPT-2-style).
+_GPT2 = dict(norm="layernorm", mlp="gelu", pos_emb="learned")
 _COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, min_lr=2e-4, warmup_steps=30,
                eval_tokens=32768, eval_batch_size=64, plot=False, progress=True)
 PRESETS: dict[str, dict[str, dict]] = {
     # a few minutes on an idle 2-core CPU
     "default": {
         "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=800),
-        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4, model_kwargs={},
+        "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=1500, lr=5e-3, min_lr=5e-4, **_GPT2,
                       distill=True),
     },
     # a smoke test: seconds
     "quick": {
         "target": dict(n_layer=2, n_head=2, n_embd=64, max_steps=60, eval_tokens=4096),
-        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=60, eval_tokens=4096, model_kwargs={}, distill=True),
+        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=60, eval_tokens=4096, **_GPT2, distill=True),
     },
 }
 
@@ -91,15 +92,15 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
         out = root / f"{role}-{key}"
         done = out / "bench_done.json"
         if not done.is_file():
-            print(f"training the {role} ({cfg.n_layer} layers x {cfg.n_embd}, {cfg.max_steps} steps) into {out}")
+            print(f"training the {role} ({cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.max_steps} steps) into {out}")
             summary = train(cfg, out, resume=True)  # resumes an interrupted run
             _write_json_atomic(done, {"train_config": cfg.to_dict(), "summary": summary})
         model, _tok = load_model(out, device=device)
         models[role] = model.eval()
         meta = json.loads(done.read_text())
-        info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.n_layer, "n_embd": cfg.n_embd,
+        info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
                       "train_steps": cfg.max_steps, "val_loss": meta["summary"].get("val_loss"),
-                      "style": "Llama" if cfg.model_kwargs.get("norm") == "rmsnorm" else "GPT-2",
+                      "style": "Llama" if cfg.model.norm == "rmsnorm" else "GPT-2",
                       "distilled": cfg.teacher is not None}
     return models["target"], models["draft"], info
 

@@ -43,7 +43,6 @@ from torch import Tensor
 
 from .. import model as _model
 from .. import train as _train
-from .. import train_config as _train_config
 from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function
 from .remote import Remote, is_module, isinstance_of, load_params, make, same_object
 
@@ -393,7 +392,7 @@ def check_lr_at(fn: Callable[..., float], seed: int | None = None) -> None:
     :func:`gptlab.train.lr_at` at every step from 0 to total + 5 of three schedules (with and
     without warmup, min_lr 0), within 1e-12 + 1e-9 x |expected|."""
     require_function(fn, "lr_at")
-    forbidden = (Forbidden(_train_config.lr_at, "gptlab's lr_at"),
+    forbidden = (Forbidden(_train.lr_at, "gptlab's lr_at"),
                  Forbidden(torch.optim.lr_scheduler.CosineAnnealingLR, "torch's CosineAnnealingLR"))
     cases = list(_LR_CASES)
     if seed is not None:
@@ -459,7 +458,7 @@ _FORBID_TRAIN = (
     Forbidden(_train.train, "gptlab.train.train"),
     Forbidden(_train.Trainer, "gptlab's Trainer"),
     Forbidden(_train.Trainer.fit, "gptlab's Trainer.fit"),
-    Forbidden(_train_config.lr_at, "gptlab's lr_at (use your own lr_at from task 3)"),
+    Forbidden(_train.lr_at, "gptlab's lr_at (use your own lr_at from task 3)"),
 )
 
 

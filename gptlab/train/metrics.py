@@ -1,6 +1,6 @@
 """A training run's record: ``metrics.jsonl``, ``train_log.jsonl`` and the loss plot.
 
-Where this sits: beside the training loop (:mod:`gptlab.train`), which writes them; the chapters
+Where this sits: beside the training loop (:mod:`gptlab.train.loop`), which writes them; the chapters
 and benchmarks read them back. Both files are JSON Lines, one object per line:
 
 * ``metrics.jsonl``, one row per evaluation: ``step``, ``train_loss`` (mean training loss since
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .files import atomic_path, atomic_write_text
+from ..files import atomic_path, atomic_write_text
 
 __all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "read_jsonl_torn", "write_metrics",
            "metrics_figure", "plot_metrics"]

@@ -1,7 +1,7 @@
 """Evaluation: a model's validation loss over a fixed set of windows.
 
 Where this sits: text -> tokens -> batches -> model -> logits -> *loss on held-out text*. The
-training loop (:mod:`gptlab.train`) scores its model with :func:`mean_cross_entropy` every
+training loop (:mod:`gptlab.train.loop`) scores its model with :func:`mean_cross_entropy` every
 ``eval_interval`` steps; the graders and chapter 5 cut the same windows with :func:`val_windows`.
 
 The validation set is deterministic: the validation split cut into disjoint windows of

@@ -1,9 +1,15 @@
-"""Training runs as data: :class:`TrainConfig`, the named recipes, and the learning-rate schedule.
+"""Training runs as data: :class:`TrainConfig` and the named recipes.
 
-Where this sits: the settings of the *loss -> gradients -> update* loop (:mod:`gptlab.train`).
-A run is one :class:`TrainConfig` (model shape, batch, optimiser, schedule, evaluation, device),
-checked when built; :data:`RECIPES` names the tested ones (``get_recipe("shakespeare-char-cpu")``).
-:func:`lr_at` is the schedule, with plain numbers: linear warmup, then cosine decay to ``min_lr``.
+Where this sits: the settings of the *loss -> gradients -> update* loop (:mod:`gptlab.train.loop`).
+A run is one :class:`TrainConfig`: the model it trains (``model``, a :class:`gptlab.config.GPTConfig`),
+then batch, optimiser, schedule, evaluation and device, checked when built; :data:`RECIPES` names
+the tested ones (``get_recipe("shakespeare-char-cpu")``). The schedule is :mod:`gptlab.train.schedule`.
+
+The model's fields may also be given flat, as everywhere before the model was nested:
+``TrainConfig(n_layer=4, lr=3e-3)``, ``get_recipe("tiny", n_embd=64)`` and ``--set n_layer=1`` set
+``model.n_layer``, and ``cfg.n_layer`` reads it. :meth:`TrainConfig.from_dict` reads both dict
+forms: ``to_dict()``'s (``"model": {...}``) and the flat one that older runs saved (``n_layer``, ...,
+``model_kwargs`` at the top level).
 """
 
 from __future__ import annotations
@@ -12,22 +18,34 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import GPTConfig
+from ..config import GPTConfig
 
-__all__ = ["TrainConfig", "RECIPES", "DATASETS", "get_recipe", "lr_at"]
+__all__ = ["TrainConfig", "RECIPES", "DATASETS", "MODEL_FIELDS", "get_recipe"]
+
+MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
+"""The names that set (as options) and read (as attributes) the fields of a config's ``model`` (all
+but ``vocab_size``: the data gives it)."""
+FLAT_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias")
+"""The model fields the flat form had as its own; ``model_kwargs`` held the others."""
 
 
+def default_model() -> GPTConfig:
+    """The model of a :class:`TrainConfig` that names none: 4 layers x 128, context 64, no biases.
+    Its ``vocab_size`` is a placeholder: the data's replaces it (:meth:`TrainConfig.model_config`)."""
+    return GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False)
 
-@dataclass
+
+@dataclass(init=False)
 class TrainConfig:
     """Everything a training run needs besides its output folder.
 
-    Model: ``n_layer``, ``n_head``, ``n_embd``, ``block_size``, ``dropout``, ``bias`` and any other
-    :class:`GPTConfig` field through ``model_kwargs`` (e.g. ``{"norm": "rmsnorm"}``); the
-    vocabulary size comes from the data. Tokens per optimiser step:
+    Model: ``model``, a :class:`GPTConfig` (its ``vocab_size`` comes from the data); any of its
+    fields may also be passed flat (``TrainConfig(n_layer=6, bias=True)``) and read flat
+    (``cfg.block_size`` is ``cfg.model.block_size``). Tokens per optimiser step:
     ``batch_size * grad_accum * block_size`` (times the number of DDP processes).
 
     Evaluation: every ``eval_interval`` steps (and at step 0 with ``eval_at_start``, and at
@@ -39,14 +57,7 @@ class TrainConfig:
     training loss, the learning rate and the gradient norm of the steps since the previous row.
     """
 
-    # model
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    dropout: float = 0.0
-    bias: bool = False
-    model_kwargs: dict = field(default_factory=dict)
+    model: GPTConfig = field(default_factory=default_model)
     # data
     dataset: str = "shakespeare-char"
     data_dir: str | None = None
@@ -63,7 +74,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     grad_clip: float | None = 1.0
     # distillation: also match a trained teacher's next-token distributions (a speculative draft)
-    teacher: str | None = None  # a run folder or checkpoint (gptlab.checkpoint.load_model); None: off
+    teacher: str | None = None  # a run folder or checkpoint (gptlab.train.checkpoint.load_model); None: off
     distill_weight: float = 1.0  # loss = (1 - w) * cross-entropy + w * KL(teacher || model)
     # evaluation, logging, checkpoints
     eval_interval: int = 250
@@ -85,33 +96,89 @@ class TrainConfig:
     fused_adamw: bool | None = None  # None: fused on CUDA
     num_threads: int | None = None  # torch CPU threads; None: torch's default
 
-    def __post_init__(self) -> None:
+    def __init__(self, model: GPTConfig | Mapping | None = None, **options: Any) -> None:
+        """``model``: a :class:`GPTConfig`, its dict, or None (:func:`default_model`); ``options``:
+        the other fields, and model fields given flat, which replace ``model``'s."""
+        flat = {k: options.pop(k) for k in list(options) if k in MODEL_FIELDS or k == "model_kwargs"}
+        own = [f for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+        unknown = sorted(set(options) - {f.name for f in own})
+        if unknown:
+            raise TypeError(f"TrainConfig: unknown option(s) {unknown}; known options: {', '.join(option_names())}")
+        for f in own:
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            object.__setattr__(self, f.name, options.get(f.name, default))
+        object.__setattr__(self, "model", _model_with(model, flat))
         _validate(self)
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for names a config does not hold: a model field reads ``self.model``'s."""
+        if name in MODEL_FIELDS and "model" in self.__dict__:
+            return getattr(self.__dict__["model"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in MODEL_FIELDS or name == "model_kwargs":
+            raise AttributeError(f"TrainConfig.{name} is a field of TrainConfig.model: use "
+                                 f"cfg.with_overrides({name}=...)")
+        super().__setattr__(name, value)
+
     def with_overrides(self, **overrides: Any) -> "TrainConfig":
-        """A copy with some fields replaced; unknown names or wrong types raise clear errors."""
-        known = [f.name for f in dataclasses.fields(self)]
-        unknown = [k for k in overrides if k not in known]
+        """A copy with some fields (or model fields, flat) replaced; unknown names or wrong types
+        raise clear errors."""
+        unknown = [k for k in overrides if k not in option_names()]
         if unknown:
-            raise ValueError(f"unknown training option(s) {unknown}; known options: {', '.join(known)}")
-        return dataclasses.replace(self, **overrides)
+            raise ValueError(f"unknown training option(s) {unknown}; known options: {', '.join(option_names())}")
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainConfig(**{**mine, **overrides})
 
     def to_dict(self) -> dict:
+        """The JSON form: every field, ``model`` as :meth:`GPTConfig.to_dict`'s dict."""
         return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TrainConfig":
+        """The config a dict holds: :meth:`to_dict`'s form, or the flat form of older runs
+        (``n_layer``, ..., ``model_kwargs`` beside the other fields). Fields left out take their
+        defaults; an unknown one is an error naming it."""
+        if not isinstance(d, Mapping):
+            raise TypeError(f"TrainConfig.from_dict: a dict expected, got {type(d).__name__}")
+        return cls(**d)
 
     @property
     def tokens_per_step(self) -> int:
         """Tokens per optimiser step in one process."""
-        return self.batch_size * self.grad_accum * self.block_size
+        return self.batch_size * self.grad_accum * self.model.block_size
 
     def model_config(self, vocab_size: int) -> GPTConfig:
-        """The :class:`GPTConfig` of the model this run trains."""
-        kw = dict(self.model_kwargs)
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "bias"):
-            if name in kw:
-                raise ValueError(f"model_kwargs must not set {name!r}: it is a TrainConfig field")
-        return GPTConfig(vocab_size=vocab_size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                         block_size=self.block_size, dropout=self.dropout, bias=self.bias, **kw)
+        """The :class:`GPTConfig` of the model this run trains: ``model`` with the data's vocabulary."""
+        return dataclasses.replace(self.model, vocab_size=vocab_size)
+
+
+def option_names() -> list[str]:
+    """Every name :class:`TrainConfig` and :meth:`TrainConfig.with_overrides` accept."""
+    return [f.name for f in dataclasses.fields(TrainConfig)] + list(MODEL_FIELDS) + ["model_kwargs"]
+
+
+def _model_with(model: GPTConfig | Mapping | None, flat: dict[str, Any]) -> GPTConfig:
+    """``model`` (None: :func:`default_model`; a dict: :meth:`GPTConfig.from_dict`) with the
+    flat model fields ``flat`` replaced. ``model_kwargs`` (the flat form's) sets every field
+    beyond :data:`FLAT_FIELDS` and the vocabulary: GPTConfig's defaults updated with it."""
+    if model is None:
+        model = default_model()
+    elif isinstance(model, Mapping):
+        model = GPTConfig.from_dict(model, where="TrainConfig.model")
+    elif not isinstance(model, GPTConfig):
+        raise TypeError(f"TrainConfig.model must be a GPTConfig (or its dict), got {type(model).__name__}")
+    extra = flat.pop("model_kwargs", None)
+    if extra is not None:
+        if not isinstance(extra, Mapping):
+            raise TypeError(f"TrainConfig: model_kwargs must be a dict, got {type(extra).__name__}")
+        clash = sorted(set(extra) & {"vocab_size", *FLAT_FIELDS})
+        if clash:
+            raise ValueError(f"model_kwargs must not set {clash}: they are model fields of their own")
+        kept = {k: getattr(model, k) for k in ("vocab_size", *FLAT_FIELDS)}
+        model = GPTConfig.from_dict({**kept, **extra}, where="TrainConfig.model_kwargs")
+    return dataclasses.replace(model, **flat) if flat else model
 
 
 def _type_ok(value: Any, hint: Any) -> bool:
@@ -128,8 +195,6 @@ def _type_ok(value: Any, hint: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is str:
         return isinstance(value, str)
-    if hint is dict:
-        return isinstance(value, dict)
     return True
 
 
@@ -144,11 +209,8 @@ def _validate(c: TrainConfig) -> None:
         if not cond:
             raise ValueError(f"TrainConfig: {msg}")
 
-    for name in ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "grad_accum", "max_steps",
-                 "eval_interval", "eval_batch_size", "log_interval"):
+    for name in ("batch_size", "grad_accum", "max_steps", "eval_interval", "eval_batch_size", "log_interval"):
         need(getattr(c, name) >= 1, f"{name} must be >= 1, got {getattr(c, name)}")
-    need(c.n_embd % c.n_head == 0, f"n_embd ({c.n_embd}) must be divisible by n_head ({c.n_head})")
-    need(0.0 <= c.dropout < 1.0, f"dropout must be in [0, 1), got {c.dropout}")
     need(c.lr > 0 and math.isfinite(c.lr), f"lr must be a positive number, got {c.lr}")
     need(0 <= c.min_lr <= c.lr, f"min_lr must be in [0, lr={c.lr}], got {c.min_lr}")
     need(c.warmup_steps >= 0, f"warmup_steps must be >= 0, got {c.warmup_steps}")
@@ -157,8 +219,8 @@ def _validate(c: TrainConfig) -> None:
     need(0 <= c.beta1 < 1 and 0 <= c.beta2 < 1, f"betas must be in [0, 1), got ({c.beta1}, {c.beta2})")
     need(c.weight_decay >= 0, f"weight_decay must be >= 0, got {c.weight_decay}")
     need(c.grad_clip is None or c.grad_clip > 0, f"grad_clip must be > 0 or None, got {c.grad_clip}")
-    need(c.eval_tokens is None or c.eval_tokens >= c.block_size,
-         f"eval_tokens must be None (whole split) or >= block_size ({c.block_size}), got {c.eval_tokens}")
+    need(c.eval_tokens is None or c.eval_tokens >= c.model.block_size,
+         f"eval_tokens must be None (whole split) or >= block_size ({c.model.block_size}), got {c.eval_tokens}")
     need(c.checkpoint_interval is None or c.checkpoint_interval >= 1,
          f"checkpoint_interval must be >= 1 or None, got {c.checkpoint_interval}")
     need(c.target_loss is None or c.target_loss > 0, f"target_loss must be > 0 or None, got {c.target_loss}")
@@ -176,7 +238,7 @@ RECIPES: dict[str, TrainConfig] = {
     # nanoGPT's config/train_shakespeare_char.py (a "baby GPT", 10.7M parameters). nanoGPT reports
     # a best validation loss of 1.4697 after about 3 minutes on one A100.
     "shakespeare-char": TrainConfig(
-        n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False,
+        model=GPTConfig(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.2, bias=False),
         batch_size=64, grad_accum=1, max_steps=5000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_batch_size=64,
     ),
@@ -191,8 +253,8 @@ RECIPES: dict[str, TrainConfig] = {
     # six took 3.4-4.3% of the run's time in two runs measured while other jobs loaded the machine.
     # Measured (whole val split, seed 1337): 1.849 after 470 steps (1.831 after 500, 1.880 after 420).
     "shakespeare-char-cpu": TrainConfig(
-        n_layer=4, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
-        model_kwargs={"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+        model=GPTConfig(n_layer=4, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
+                        pos_emb="rope", norm="rmsnorm", mlp="swiglu"),
         batch_size=16, grad_accum=1, max_steps=470, lr=5e-3, min_lr=5e-4, warmup_steps=30,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=94, eval_tokens=16384,
         eval_batch_size=128, final_eval_whole_split=True,
@@ -203,14 +265,14 @@ RECIPES: dict[str, TrainConfig] = {
     # --lr_decay_iters=2000 --dropout=0.0), evaluated like nanoGPT (20 batches of 12 x 64 tokens
     # every 250 steps). `python -m gptlab bench train --recipe nanogpt-cpu` times it on this machine.
     "nanogpt-cpu": TrainConfig(
-        n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False,
+        model=GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=64, dropout=0.0, bias=False),
         batch_size=12, grad_accum=1, max_steps=2000, lr=1e-3, min_lr=1e-4, warmup_steps=100,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=250, eval_tokens=20 * 12 * 64,
         eval_batch_size=12,
     ),
     # A seconds-long smoke test for tests and CI.
     "tiny": TrainConfig(
-        n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=False,
+        model=GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, dropout=0.0, bias=False),
         batch_size=16, grad_accum=1, max_steps=200, lr=5e-3, min_lr=5e-4, warmup_steps=10,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=50, eval_tokens=8192,
         eval_batch_size=128,
@@ -223,35 +285,3 @@ def get_recipe(name: str, **overrides: Any) -> TrainConfig:
     if not isinstance(name, str) or name not in RECIPES:
         raise ValueError(f"unknown recipe {name!r}; known recipes: {', '.join(sorted(RECIPES))}")
     return RECIPES[name].with_overrides(**overrides)
-
-
-def lr_at(
-    step: int,
-    max_lr: "float | TrainConfig",
-    min_lr: float = 0.0,
-    warmup: int = 0,
-    total: int | None = None,
-) -> float:
-    """The learning rate at optimiser step ``step`` (0-based), all plain numbers (nanoGPT's schedule):
-
-    * linear warmup from 0 for ``step < warmup``: ``max_lr * (step + 1) / (warmup + 1)`` (so the
-      first step already moves, and step ``warmup`` reaches ``max_lr``);
-    * then a cosine from ``max_lr`` down to ``min_lr`` at step ``total``:
-      ``min_lr + (max_lr - min_lr) * (1 + cos(pi * (step - warmup) / (total - warmup))) / 2``;
-    * ``min_lr`` from ``total`` on (``total=None``: no decay, ``max_lr`` after the warmup).
-
-    ``lr_at(step, cfg)`` with a :class:`TrainConfig` reads the numbers from it (``lr``,
-    ``min_lr``, ``warmup_steps``, ``lr_decay_steps`` or else ``max_steps``).
-    """
-    if isinstance(max_lr, TrainConfig):  # the config form
-        cfg = max_lr
-        return lr_at(step, cfg.lr, cfg.min_lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps)
-    if step < warmup:
-        return max_lr * (step + 1) / (warmup + 1)
-    if total is None:
-        return max_lr
-    if step >= total:
-        return min_lr
-    ratio = (step - warmup) / (total - warmup)
-    coeff = 0.5 * (1.0 + math.cos(math.pi * ratio))  # 1 -> 0
-    return min_lr + coeff * (max_lr - min_lr)

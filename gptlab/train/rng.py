@@ -1,8 +1,8 @@
 """Random-number generator states, saved as JSON and restored: what makes a resumed training run
 continue exactly as if it had never stopped.
 
-Where this sits: beside training (:mod:`gptlab.train` saves these states in a checkpoint's
-``train_state.json``, :mod:`gptlab.checkpoint`). Every generator a run draws from is covered:
+Where this sits: beside training (:mod:`gptlab.train.loop` saves these states in a checkpoint's
+``train_state.json``, :mod:`gptlab.train.checkpoint`). Every generator a run draws from is covered:
 Python's ``random``, NumPy's global one, PyTorch's CPU and CUDA ones, and the run's own batch
 ``torch.Generator``. Binary states are base64 text, so the file stays JSON (nothing is pickled).
 """

@@ -16,7 +16,7 @@ A checkpoint folder holds:
   and step counts), with the parameter groups and any non-tensor state as JSON in the file's
   metadata header.
 * ``train_state.json`` (optional): the step, the RNG states (python, numpy, torch, CUDA, the
-  batch generator) in a JSON-safe form (see :func:`gptlab.rng.rng_state`), metrics, ...
+  batch generator) in a JSON-safe form (see :func:`gptlab.train.rng.rng_state`), metrics, ...
 
 Safety: weights are read with ``safetensors`` and everything else is JSON, so loading a
 checkpoint never unpickles anything (no ``torch.load``).
@@ -49,10 +49,11 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .assets import VERIFY_ENV, sha256_file, sha256_json, verify_hashes
-from .files import atomic_dir, kept_aside
-from .model import GPT, GPTConfig
-from .rng import rng_state, set_rng_state  # re-exported: the training state they make is saved here
+from ..assets import VERIFY_ENV, sha256_file, sha256_json, verify_hashes
+from ..device import pick_device
+from ..files import atomic_dir, kept_aside
+from ..model import GPT, GPTConfig
+from ..tokenizers import tokenizer_from_dict
 
 __all__ = [
     "save_checkpoint",
@@ -60,8 +61,6 @@ __all__ = [
     "load_checkpoint",
     "resolve_checkpoint",
     "unwrap_model",
-    "rng_state",
-    "set_rng_state",
     "optimizer_state_to_tensors",
     "optimizer_state_from_tensors",
     "CheckpointError",
@@ -419,8 +418,6 @@ def _tokenizer(ckpt: Path, cfg: dict, vocab_size: int) -> Any:
     d = cfg.get("tokenizer")
     if d is None:
         return None
-    from .tokenizers import tokenizer_from_dict
-
     where = ckpt / CONFIG_FILE
     try:
         tok = tokenizer_from_dict(d)
@@ -518,8 +515,6 @@ def load_model(
     model = GPT(config)
     _load_weights(model, *_checked_weights(model, ckpt, cfg, verify_hashes(verify)))
     if device is not None:
-        from .device import pick_device
-
         model.to(pick_device(device))
     model.eval()
     return model, tokenizer
@@ -583,8 +578,6 @@ def load_checkpoint(
         raise CheckpointError(f"{ckpt}: {TRAIN_STATE_FILE} is missing (the manifest {CONFIG_FILE} records it)")
     _load_weights(raw, tensors, tied)
     if built and device is not None:
-        from .device import pick_device
-
         model.to(pick_device(device))
     if opt_state is not None:
         optimizer.load_state_dict(opt_state)

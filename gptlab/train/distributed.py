@@ -1,7 +1,7 @@
 """Several training processes (``torchrun``): who they are and the few exchanges between them.
 
-Where this sits: beside the training loop (:mod:`gptlab.train`) and its evaluation
-(:mod:`gptlab.evaluation`). Data-parallel training runs one process per GPU (or several CPU
+Where this sits: beside the training loop (:mod:`gptlab.train.loop`) and its evaluation
+(:mod:`gptlab.train.evaluation`). Data-parallel training runs one process per GPU (or several CPU
 processes); each draws its own batches and DistributedDataParallel averages the gradients. The
 loop itself needs little more: which process it is (:class:`DistInfo`, from the environment
 ``torchrun`` sets, by :func:`setup_distributed`), a mean or sum of a number over the processes
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["DistInfo", "setup_distributed", "all_mean", "all_sum_", "barrier", "all_gather_objects",
            "close_distributed"]
@@ -55,8 +56,6 @@ def setup_distributed(device_name: str) -> DistInfo:
     group (NCCL when ``device_name`` is ``"auto"`` or ``"cuda"`` and CUDA exists, selecting GPU
     ``local_rank``; gloo otherwise). A group that already exists is used as it is (not owned).
     """
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return DistInfo(dist.get_rank(), int(os.environ.get("LOCAL_RANK", dist.get_rank())), dist.get_world_size())
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -74,8 +73,6 @@ def all_mean(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """``t`` (any shape) averaged over the processes: a new tensor; ``t`` itself with one process."""
     if not info.enabled:
         return t
-    import torch.distributed as dist
-
     t = t.clone()
     dist.all_reduce(t)
     return t / info.world
@@ -84,8 +81,6 @@ def all_mean(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def all_sum_(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Replace ``t`` (any shape) in place by its sum over the processes, and return it."""
     if info.enabled:
-        import torch.distributed as dist
-
         dist.all_reduce(t)
     return t
 
@@ -93,8 +88,6 @@ def all_sum_(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
 def barrier(info: DistInfo) -> None:
     """Wait until every process gets here."""
     if info.enabled:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
@@ -102,8 +95,6 @@ def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
     """Every process's ``obj`` (picklable), in rank order: ``[obj]`` with one process."""
     if not info.enabled:
         return [obj]
-    import torch.distributed as dist
-
     out = [None] * info.world
     dist.all_gather_object(out, obj)  # in-memory exchange between our own processes
     return out
@@ -112,7 +103,5 @@ def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
 def close_distributed(info: DistInfo) -> None:
     """Leave the process group if :func:`setup_distributed` created it (once; later calls do nothing)."""
     if info.owns_group:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
         info.owns_group = False
