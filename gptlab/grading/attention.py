@@ -40,6 +40,7 @@ from .. import attention as _att
 from .. import GPTConfig
 from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor, require_function, same
 from .remote import is_module, is_module_class, load_params
+from .task import Case, Task
 
 __all__ = [
     "check_attention_weights",
@@ -126,7 +127,7 @@ def _softmax_masked(scores: Tensor, mask: Tensor | None, fill: float = NINF, dim
     return torch.softmax(scores, dim=dim)
 
 
-def _weights_mistakes(q: Tensor, k: Tensor, mask: Tensor | None) -> list[tuple[str, Callable[[], Tensor]]]:
+def _weights_mistakes(q: Tensor, k: Tensor, mask: Tensor | None = None) -> list[tuple[str, Callable[[], Tensor]]]:
     """Known mistakes of attention weights, each as (diagnosis, thunk) on this input."""
     T, d, S = q.shape[-2], q.shape[-1], k.shape[-2]
     kt = k.transpose(-2, -1)
@@ -192,10 +193,50 @@ def _close_enough(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.is_floating_point() and bool(_VF.allclose(a.detach().float(), b, WEIGHTS_TOL["rtol"], WEIGHTS_TOL["atol"]))
 
 
+def _rows(t: Tensor, max_rows: int = 12, indent: str = "      ") -> str:
+    """The rows of ``t`` (last axis), at most ``max_rows``, 4 significant digits, indented."""
+    rows = t.detach().float().reshape(-1, t.shape[-1]).tolist()
+    text = [indent + "[" + ", ".join(f"{v:.4g}" for v in r) + "]" for r in rows[:max_rows]]
+    return "\n".join(text + ([indent + "..."] if len(rows) > max_rows else []))
+
+
+def _show(t: Tensor) -> str:
+    """A tensor in a failure message: its shape and its first rows."""
+    return f"shape {tuple(t.shape)}, first rows:\n" + _rows(t, max_rows=4, indent="  ")
+
+
 def _expect_shape(got: Any, what: str, want: tuple[int, ...], hints: dict[tuple[int, ...], str]) -> None:
     if isinstance(got, Tensor) and tuple(got.shape) != want:
         hint = hints.get(tuple(got.shape), "")
         raise ExerciseError(f"{what} should have shape {want}, got {tuple(got.shape)}." + (f" {hint}" if hint else ""))
+
+
+def _cases_for(name: str, seed: int, with_v: bool) -> list[Case]:
+    """The attention cases as :class:`Case` records (the mask left out when there is none)."""
+    out = []
+    for text, q, k, v, mask in _attention_cases(seed):
+        args = (q, k, v) if with_v else (q, k)
+        out.append(Case(args if mask is None else (*args, mask), text, f"{name} for {text}"))
+    return out
+
+
+def _expect_weights(got: Any, case: Case) -> Tensor:
+    q, k = case.args[:2]
+    B, H, T, d = q.shape
+    S = k.shape[-2]
+    _expect_shape(got, case.what, (B, H, T, S), {
+        (B, H, T, d): "That is the shape of the output of attention (weights @ v); this function returns the "
+                      "weights, one per query and key.",
+        (B, H, S, T): "Rows are queries and columns are keys: compute q @ k.transpose(-2, -1), not k @ q^T.",
+    })
+    return expect_tensor(got, case.what, shape=(B, H, T, S), dtype="float", device="cpu").float()
+
+
+ATTENTION_WEIGHTS = Task(
+    "attention_weights", _att.attention_weights, _FORBIDDEN_ATTENTION, lambda seed: _cases_for("attention_weights", seed, False),
+    mistakes=_weights_mistakes, expect=_expect_weights, show=_show,
+    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[2] if len(case.args) > 2 else None),
+    **WEIGHTS_TOL)
 
 
 def check_attention_weights(fn: Callable[..., Tensor], seed: int = 0) -> None:
@@ -206,24 +247,50 @@ def check_attention_weights(fn: Callable[..., Tensor], seed: int = 0) -> None:
     ``q k^T / sqrt(d)`` with blocked scores at -inf (atol 1e-5, rtol 1e-4). No mask of the check
     blocks a whole row. Raises :class:`ExerciseError` naming the mistake.
     """
-    require_function(fn, "attention_weights")
-    for text, q, k, _v, mask in _attention_cases(seed):
-        B, H, T, d = q.shape
-        S = k.shape[-2]
-        args = (q, k) if mask is None else (q, k, mask)
-        got = call(fn, "attention_weights", *args, forbidden=_FORBIDDEN_ATTENTION)
-        _expect_shape(got, f"attention_weights for {text}", (B, H, T, S), {
-            (B, H, T, d): "That is the shape of the output of attention (weights @ v); this function returns the "
-                          "weights, one per query and key.",
-            (B, H, S, T): "Rows are queries and columns are keys: compute q @ k.transpose(-2, -1), not k @ q^T.",
-        })
-        got = expect_tensor(got, f"attention_weights for {text}", shape=(B, H, T, S), dtype="float", device="cpu")
-        want = _att.attention_weights(q, k, mask)
-        expect_close(got.float(), want, f"attention_weights for {text}", text, **WEIGHTS_TOL, show=_show,
-                     mistakes=_weights_mistakes(q, k, mask), diagnose=lambda w: _weights_diagnosis(w, mask))
+    ATTENTION_WEIGHTS.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- attend
+
+
+def _expect_output(got: Any, case: Case) -> Tensor:
+    q, k = case.args[:2]
+    mask = case.args[3] if len(case.args) > 3 else None
+    B, H, T, d = q.shape
+    S = k.shape[-2]
+    if isinstance(got, tuple):
+        raise ExerciseError(f"attend should return one tensor, the output (B, H, T, d), got a tuple of {len(got)}.")
+    _expect_shape(got, case.what, (B, H, T, d), {
+        (B, H, T, S): "That is the shape of the weights: multiply them by v (weights @ v) to get the output.",
+    })
+    if isinstance(got, Tensor) and tuple(got.shape) == (B, H, T, d) and S == d:
+        if _close_enough(got, _att.attention_weights(q, k, mask)):
+            raise ExerciseError(f"{case.what} returned the attention weights: multiply them by v "
+                                "(weights @ v) to get the output.")
+    return expect_tensor(got, case.what, shape=(B, H, T, d), dtype="float", device="cpu").float()
+
+
+def _attend_mistakes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> list:
+    """Known mistakes of attend: its own, then every mistake of the weights, multiplied by v."""
+    d = q.shape[-1]
+    w = _att.attention_weights(q, k, mask)
+    mistakes = [("you forgot to pass the mask on to attention_weights (or ignored it): blocked keys get weight.",
+                 lambda: _att.attention_weights(q, k) @ v)] if mask is not None else []
+    mistakes.append(("you multiplied by the transposed weights: the output is weights @ v, with the weights "
+                     "(B, H, T, S) (queries by keys) and v (B, H, S, d).",
+                     lambda: w.transpose(-2, -1) @ v))
+    mistakes.append(("you divided the scores by sqrt(d) twice (by d in all): attention_weights already divides "
+                     "q @ k^T by sqrt(d), so attend must not scale q, k or the scores again; call "
+                     "attention_weights(q, k, mask) as it is and multiply by v. (If your attention_weights "
+                     "divides by d, fix it there: the scale is 1 / sqrt(d).)",
+                     lambda: _softmax_masked((q @ k.transpose(-2, -1)) / d, mask) @ v))
+    mistakes += [(f"your weights are wrong: {why}", (lambda t=thunk: t() @ v))
+                 for why, thunk in _weights_mistakes(q, k, mask)]
+    return mistakes
+
+
+ATTEND = Task("attend", _att.attention, _FORBIDDEN_ATTENTION, lambda seed: _cases_for("attend", seed, True),
+              mistakes=_attend_mistakes, expect=_expect_output, show=_show, **WEIGHTS_TOL)
 
 
 def check_attend(fn: Callable[..., Tensor], seed: int = 0) -> None:
@@ -233,37 +300,7 @@ def check_attend(fn: Callable[..., Tensor], seed: int = 0) -> None:
     :func:`gptlab.attention.attention` (atol 1e-5, rtol 1e-4). A mistake in the weights is named
     too (the same catalogue, multiplied by v).
     """
-    require_function(fn, "attend")
-    for text, q, k, v, mask in _attention_cases(seed + 1):
-        B, H, T, d = q.shape
-        S = k.shape[-2]
-        args = (q, k, v) if mask is None else (q, k, v, mask)
-        got = call(fn, "attend", *args, forbidden=_FORBIDDEN_ATTENTION)
-        if isinstance(got, tuple):
-            raise ExerciseError(f"attend should return one tensor, the output (B, H, T, d), got a tuple of {len(got)}.")
-        _expect_shape(got, f"attend for {text}", (B, H, T, d), {
-            (B, H, T, S): "That is the shape of the weights: multiply them by v (weights @ v) to get the output.",
-        })
-        if isinstance(got, Tensor) and tuple(got.shape) == (B, H, T, d) and S == d:
-            if _close_enough(got, _att.attention_weights(q, k, mask)):
-                raise ExerciseError(f"attend for {text} returned the attention weights: multiply them by v "
-                                    "(weights @ v) to get the output.")
-        got = expect_tensor(got, f"attend for {text}", shape=(B, H, T, d), dtype="float", device="cpu")
-        want = _att.attention(q, k, v, mask)
-        w = _att.attention_weights(q, k, mask)
-        mistakes = [("you forgot to pass the mask on to attention_weights (or ignored it): blocked keys get weight.",
-                     lambda: _att.attention_weights(q, k) @ v)] if mask is not None else []
-        mistakes.append(("you multiplied by the transposed weights: the output is weights @ v, with the weights "
-                         "(B, H, T, S) (queries by keys) and v (B, H, S, d).",
-                         lambda: w.transpose(-2, -1) @ v))
-        mistakes.append(("you divided the scores by sqrt(d) twice (by d in all): attention_weights already divides "
-                         "q @ k^T by sqrt(d), so attend must not scale q, k or the scores again; call "
-                         "attention_weights(q, k, mask) as it is and multiply by v. (If your attention_weights "
-                         "divides by d, fix it there: the scale is 1 / sqrt(d).)",
-                         lambda: _softmax_masked((q @ k.transpose(-2, -1)) / d, mask) @ v))
-        mistakes += [(f"your weights are wrong: {why}", (lambda t=thunk: t() @ v))
-                     for why, thunk in _weights_mistakes(q, k, mask)]
-        expect_close(got.float(), want, f"attend for {text}", text, **WEIGHTS_TOL, show=_show, mistakes=mistakes)
+    ATTEND.check(fn, seed + 1)
 
 
 # --------------------------------------------------------------------------- split_heads / merge_heads
@@ -317,18 +354,6 @@ def check_split_heads(fn: Callable[[Tensor, int], Tensor], seed: int = 0) -> Non
             f"  input x[0] (T, C):\n{_rows(x[0])}\n"
             f"  expected [0, :, :, :] (heads, T, d):\n{_rows(want[0])}\n  got [0]:\n{_rows(got[0])}"
         )
-
-
-def _rows(t: Tensor, max_rows: int = 12, indent: str = "      ") -> str:
-    """The rows of ``t`` (last axis), at most ``max_rows``, 4 significant digits, indented."""
-    rows = t.detach().float().reshape(-1, t.shape[-1]).tolist()
-    text = [indent + "[" + ", ".join(f"{v:.4g}" for v in r) + "]" for r in rows[:max_rows]]
-    return "\n".join(text + ([indent + "..."] if len(rows) > max_rows else []))
-
-
-def _show(t: Tensor) -> str:
-    """A tensor in a failure message: its shape and its first rows."""
-    return f"shape {tuple(t.shape)}, first rows:\n" + _rows(t, max_rows=4, indent="  ")
 
 
 def check_merge_heads(fn: Callable[[Tensor], Tensor], seed: int = 0) -> None:

@@ -36,10 +36,12 @@ from .. import attention as _attention
 from .. import layers as _layers
 from .. import model as _model
 from .. import rope as _rope
-from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor, require_function
+from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
+from .task import Case, Task
 
-__all__ = ["check_layer_norm", "check_gelu", "check_rms_norm", "check_apply_rope", "check_Block"]
+__all__ = ["check_layer_norm", "check_gelu", "check_rms_norm", "check_apply_rope", "check_Block",
+           "LAYER_NORM", "GELU", "RMS_NORM", "APPLY_ROPE"]
 
 ATOL, RTOL = 1e-5, 1e-4  # single ops, float32 against a float64 reference
 BLOCK_ATOL, BLOCK_RTOL = 2e-5, 2e-4  # the composed block
@@ -160,11 +162,65 @@ def _norm_cases(seed: int) -> list[tuple[str, Tensor, Tensor, Tensor, float]]:
     ]
 
 
-def _expect_same_shape(got, x: Tensor, what: str) -> Tensor:
-    got = expect_tensor(got, what, shape=x.shape, dtype="float", device=x.device, finite=True,
-                        hint_shape="It must keep the shape of x: reduce with keepdim=True so that the mean "
-                                   "and the variance broadcast against x.")
+def _same_shape_as_x(got, case: Case, what: str = "") -> Tensor:
+    """A finite float tensor of x's shape (x = the first argument)."""
+    x = case.args[0]
+    got = expect_tensor(got, what or f"{case.what} on {case.text}", shape=x.shape, dtype="float", device=x.device,
+                        finite=True, hint_shape="It must keep the shape of x: reduce with keepdim=True so that the "
+                                                "mean and the variance broadcast against x.")
     return got.float()
+
+
+def _layer_norm_cases(seed: int) -> list[Case]:
+    return [Case((x, w, b, eps), text, "layer_norm") for text, x, w, b, eps in _norm_cases(seed)]
+
+
+def _rms_norm_cases(seed: int) -> list[Case]:
+    # other inputs than layer_norm's (seed + 1); their rows do not have mean 0, so centring shows
+    return [Case((x, w, eps), text, "rms_norm") for text, x, w, _, eps in _norm_cases(seed + 1)]
+
+
+def _gelu_cases(seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    cases = [
+        ("x = torch.linspace(-8, 8, 161).reshape(7, 23)", torch.linspace(-8, 8, 161).reshape(7, 23)),
+        ("x (2, 3, 4) = 3 x randn, seeded", 3 * torch.randn(2, 3, 4, generator=g)),
+        ("x = tensor([1.0])", torch.tensor([1.0])),
+        ("x = tensor([-50., -20., -5., 5., 20., 50.])", torch.tensor([-50.0, -20.0, -5.0, 5.0, 20.0, 50.0])),
+    ]
+    return [Case((x,), text, "gelu") for text, x in cases]
+
+
+def _expect_gelu(got, case: Case) -> Tensor:
+    x = case.args[0]
+    return expect_tensor(got, f"gelu({case.text})", shape=x.shape, dtype=x.dtype, device=x.device, finite=True,
+                         hint_shape="GELU works elementwise: the result has the shape of x.")
+
+
+def _rope_cases(seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    cos, sin = _rope.rope_cache(32, 8)
+    cases = [
+        ("x (2, 3, 5, 8) seeded, cos/sin of positions 0..4, shape (5, 8)", torch.randn(2, 3, 5, 8, generator=g),
+         cos[:5], sin[:5]),
+        ("x (1, 2, 6, 8) seeded, cos/sin of positions 7..12, shape (6, 8)", torch.randn(1, 2, 6, 8, generator=g),
+         cos[7:13], sin[7:13]),
+        ("x (1, 1, 1, 8): one token at position 20", torch.randn(1, 1, 1, 8, generator=g), cos[20:21], sin[20:21]),
+    ]
+    pos = torch.tensor([[3, 4, 5, 6], [0, 9, 17, 30]])
+    cases.append(("x (2, 2, 4, 8), each row its own positions: cos/sin shaped (2, 1, 4, 8)",
+                  torch.randn(2, 2, 4, 8, generator=g), cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)))
+    return [Case((x, c, s), text, "apply_rope") for text, x, c, s in cases]
+
+
+def _expect_rope(got, case: Case) -> Tensor:
+    x = case.args[0]
+    return expect_tensor(got, f"apply_rope on {case.text}", shape=x.shape, dtype="float", device=x.device,
+                         finite=True, hint_shape="The rotated x keeps the shape of x.").float()
+
+
+LAYER_NORM = Task("layer_norm", lambda x, w, b, eps: _f64(_layers.layer_norm, x, w, b, eps), _FORBID_LAYER_NORM,
+                  _layer_norm_cases, ATOL, RTOL, _ln_mistakes, _same_shape_as_x)
 
 
 def check_layer_norm(fn: Callable[..., Tensor], seed: int = 0) -> None:
@@ -176,12 +232,7 @@ def check_layer_norm(fn: Callable[..., Tensor], seed: int = 0) -> None:
     input (where eps matters), eps=0.1, large values, a 2-D input. Forbids gptlab's layer_norm and
     LayerNorm, ``F.layer_norm``, ``torch.layer_norm`` and ``nn.LayerNorm``.
     """
-    require_function(fn, "layer_norm")
-    for text, x, w, b, eps in _norm_cases(seed):
-        got = call(fn, "layer_norm", x, w, b, eps, forbidden=_FORBID_LAYER_NORM)
-        got = _expect_same_shape(got, x, f"layer_norm on {text}")
-        want = _f64(_layers.layer_norm, x, w, b, eps)
-        expect_close(got, want, "layer_norm", text, ATOL, RTOL, mistakes=_ln_mistakes(x, w, b, eps))
+    LAYER_NORM.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- gelu
@@ -219,6 +270,10 @@ def _gelu_mistakes(x: Tensor) -> list:
     ]
 
 
+GELU = Task("gelu", lambda x: _f64(_layers.gelu, x), _FORBID_GELU, _gelu_cases, ATOL, RTOL, _gelu_mistakes,
+            _expect_gelu)
+
+
 def check_gelu(fn: Callable[[Tensor], Tensor], seed: int = 0) -> None:
     """Check a learner's ``gelu(x)``: ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` elementwise.
 
@@ -227,20 +282,7 @@ def check_gelu(fn: Callable[[Tensor], Tensor], seed: int = 0) -> None:
     values, a single number and large values (+-50). The result must keep x's shape and dtype.
     Forbids gptlab's gelu, ``F.gelu`` and ``nn.GELU``.
     """
-    require_function(fn, "gelu")
-    g = torch.Generator().manual_seed(seed)
-    cases = [
-        ("x = torch.linspace(-8, 8, 161).reshape(7, 23)", torch.linspace(-8, 8, 161).reshape(7, 23)),
-        ("x (2, 3, 4) = 3 x randn, seeded", 3 * torch.randn(2, 3, 4, generator=g)),
-        ("x = tensor([1.0])", torch.tensor([1.0])),
-        ("x = tensor([-50., -20., -5., 5., 20., 50.])", torch.tensor([-50.0, -20.0, -5.0, 5.0, 20.0, 50.0])),
-    ]
-    for text, x in cases:
-        got = call(fn, "gelu", x, forbidden=_FORBID_GELU)
-        got = expect_tensor(got, f"gelu({text})", shape=x.shape, dtype=x.dtype, device=x.device, finite=True,
-                            hint_shape="GELU works elementwise: the result has the shape of x.")
-        want = _f64(_layers.gelu, x)
-        expect_close(got, want, "gelu", text, ATOL, RTOL, mistakes=_gelu_mistakes(x))
+    GELU.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- rms_norm
@@ -280,6 +322,10 @@ def _rms_mistakes(x: Tensor, w: Tensor, eps: float) -> list:
     return out
 
 
+RMS_NORM = Task("rms_norm", lambda x, w, eps: _f64(_layers.rms_norm, x, w, eps), _FORBID_RMS_NORM,
+                _rms_norm_cases, ATOL, RTOL, _rms_mistakes, _same_shape_as_x)
+
+
 def check_rms_norm(fn: Callable[..., Tensor], seed: int = 0) -> None:
     """Check a learner's ``rms_norm(x, weight, eps)``: x (..., C) -> ``x / sqrt(mean(x^2) + eps) * weight``.
 
@@ -288,12 +334,7 @@ def check_rms_norm(fn: Callable[..., Tensor], seed: int = 0) -> None:
     have mean 0, so subtracting the mean shows). Forbids gptlab's rms_norm and RMSNorm,
     ``F.rms_norm``, ``torch.rms_norm`` and ``nn.RMSNorm``.
     """
-    require_function(fn, "rms_norm")
-    for text, x, w, _, eps in _norm_cases(seed + 1):
-        got = call(fn, "rms_norm", x, w, eps, forbidden=_FORBID_RMS_NORM)
-        got = _expect_same_shape(got, x, f"rms_norm on {text}")
-        want = _f64(_layers.rms_norm, x, w, eps)
-        expect_close(got, want, "rms_norm", text, ATOL, RTOL, mistakes=_rms_mistakes(x, w, eps))
+    RMS_NORM.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- apply_rope
@@ -341,6 +382,10 @@ def _rope_mistakes(x: Tensor, cos: Tensor, sin: Tensor) -> list:
     ]
 
 
+APPLY_ROPE = Task("apply_rope", lambda x, c, s: _f64(_rope.apply_rope, x, c, s), _FORBID_ROPE, _rope_cases,
+                  ATOL, RTOL, _rope_mistakes, _expect_rope)
+
+
 def check_apply_rope(fn: Callable[..., Tensor], seed: int = 0) -> None:
     """Check a learner's ``apply_rope(x, cos, sin)``: ``x * cos + rotate_half(x) * sin``.
 
@@ -350,25 +395,7 @@ def check_apply_rope(fn: Callable[..., Tensor], seed: int = 0) -> None:
     (atol 1e-5, rtol 1e-4) for positions 0.., positions 7.., one token, and per-row positions.
     Forbids gptlab's apply_rope.
     """
-    require_function(fn, "apply_rope")
-    g = torch.Generator().manual_seed(seed)
-    cos, sin = _rope.rope_cache(32, 8)
-    cases = [
-        ("x (2, 3, 5, 8) seeded, cos/sin of positions 0..4, shape (5, 8)", torch.randn(2, 3, 5, 8, generator=g),
-         cos[:5], sin[:5]),
-        ("x (1, 2, 6, 8) seeded, cos/sin of positions 7..12, shape (6, 8)", torch.randn(1, 2, 6, 8, generator=g),
-         cos[7:13], sin[7:13]),
-        ("x (1, 1, 1, 8): one token at position 20", torch.randn(1, 1, 1, 8, generator=g), cos[20:21], sin[20:21]),
-    ]
-    pos = torch.tensor([[3, 4, 5, 6], [0, 9, 17, 30]])
-    cases.append(("x (2, 2, 4, 8), each row its own positions: cos/sin shaped (2, 1, 4, 8)",
-                  torch.randn(2, 2, 4, 8, generator=g), cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)))
-    for text, x, c, s in cases:
-        got = call(fn, "apply_rope", x, c, s, forbidden=_FORBID_ROPE)
-        got = expect_tensor(got, f"apply_rope on {text}", shape=x.shape, dtype="float", device=x.device,
-                            finite=True, hint_shape="The rotated x keeps the shape of x.").float()
-        want = _f64(_rope.apply_rope, x, c, s)
-        expect_close(got, want, "apply_rope", text, ATOL, RTOL, mistakes=_rope_mistakes(x, c, s))
+    APPLY_ROPE.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- Block

@@ -38,7 +38,6 @@ import json
 import math
 import socket
 import struct
-import sys
 import time
 import types
 import warnings

@@ -41,12 +41,12 @@ from .core import (
     call,
     close,
     describe,
-    expect_close,
     expect_distribution,
     expect_tensor,
     require_function,
     same,
 )
+from .task import Case, Task
 
 __all__ = [
     "check_apply_temperature",
@@ -115,7 +115,9 @@ def _call(fn: Callable, name: str, *args, forbidden: Sequence[Forbidden]):
     return out
 
 
-def _expect_logits(got, what: str, like: Tensor) -> Tensor:
+def _expect_logits(got, case: Case) -> Tensor:
+    """Logits shaped like the input logits (the first argument), not a boolean mask."""
+    what, like = case.what, case.args[0]
     if isinstance(got, Tensor) and got.dtype == torch.bool:
         raise ExerciseError(
             f"{what} returned a boolean mask. Return the logits themselves, with the filtered entries set to "
@@ -158,32 +160,39 @@ def _cases(seed: int, shapes: Sequence[tuple[int, int]], scale: float = 2.0) -> 
 # --------------------------------------------------------------------------- temperature
 
 
+def _temperature_cases(seed: int) -> list[Case]:
+    a, b = _cases(seed, [(3, 7), (1, 5)])
+    filtered = a.clone()
+    filtered[:, ::3] = NINF
+    cases = [(a, 0.5), (a, 1.0), (b, 2.0), (filtered, 0.7), (a * 500, 0.5)]
+    return [Case((logits, t), f"logits {describe(logits)}, temperature={t}", f"apply_temperature(logits, {t})")
+            for logits, t in cases]
+
+
+def _temperature_mistakes(logits: Tensor, t: float) -> list:
+    return [
+        ("you multiplied by the temperature; divide by it (logits / temperature): a temperature below 1 "
+         "must sharpen the distribution.", lambda: logits * t),
+        ("you returned softmax(logits / temperature), probabilities; return the scaled logits.",
+         lambda: torch.softmax(logits / t, dim=-1)),
+        ("you returned probabilities; return logits / temperature.",
+         lambda: torch.softmax(logits, dim=-1) ** (1 / t)),
+        ("you subtracted the temperature; divide the logits by it.", lambda: logits - t),
+    ]
+
+
+TEMPERATURE = Task("apply_temperature", _sampling.apply_temperature, _GPTLAB_FILTERS, _temperature_cases,
+                   ATOL, RTOL, _temperature_mistakes, _expect_logits, caller=_call)
+
+
 def check_apply_temperature(fn: Callable[[Tensor, float], Tensor], seed: int = 0) -> None:
     """Check ``apply_temperature(logits, temperature)``: logits (B, V) -> logits / temperature
     (B, V), a new tensor, compared with :func:`gptlab.sampling.apply_temperature` (atol 1e-6,
     rtol 1e-5) for temperatures 0.5, 1, 2 and 0.7, on random logits, logits holding ``-inf`` and
     large logits. ``temperature <= 0`` must raise ``ValueError``.
     """
-    require_function(fn, "apply_temperature")
-    a, b = _cases(seed, [(3, 7), (1, 5)])
-    filtered = a.clone()
-    filtered[:, ::3] = NINF
-    cases = [(a, 0.5), (a, 1.0), (b, 2.0), (filtered, 0.7), (a * 500, 0.5)]
-    for logits, t in cases:
-        got = _call(fn, "apply_temperature", logits, t, forbidden=_GPTLAB_FILTERS)
-        got = _expect_logits(got, f"apply_temperature(logits, {t})", logits)
-        want = _sampling.apply_temperature(logits, t)
-        mistakes = [
-            ("you multiplied by the temperature; divide by it (logits / temperature): a temperature below 1 "
-             "must sharpen the distribution.", lambda: logits * t),
-            ("you returned softmax(logits / temperature), probabilities; return the scaled logits.",
-             lambda: torch.softmax(logits / t, dim=-1)),
-            ("you returned probabilities; return logits / temperature.",
-             lambda: torch.softmax(logits, dim=-1) ** (1 / t)),
-            ("you subtracted the temperature; divide the logits by it.", lambda: logits - t),
-        ]
-        expect_close(got, want, f"apply_temperature(logits, {t})", f"logits {describe(logits)}, temperature={t}",
-                     ATOL, RTOL, mistakes=mistakes)
+    TEMPERATURE.check(fn, seed)
+    a = _cases(seed, [(3, 7)])[0]
     for t in (0.0, -1.0):
         try:
             with_forbidden = tuple(_GPTLAB_FILTERS) + _hf_forbidden()
@@ -231,31 +240,43 @@ def _top_k_mistakes(logits: Tensor, k: int) -> list:
     ]
 
 
+def _top_k_cases(seed: int) -> list[Case]:
+    a, b = _cases(seed, [(3, 10), (1, 6)])
+    ties = torch.tensor([[2.0, 1.0, 1.0, 0.5, 1.0, -1.0], [0.0, 3.0, 3.0, 3.0, -2.0, 1.0]])
+    cases = [(a, 3), (ties, 2), (a, 1), (b, 6), (b, 9), (ties, 4)]
+    return [Case((logits, k), f"logits {describe(logits)}, k={k}", f"top_k_filter(logits, k={k})")
+            for logits, k in cases]
+
+
+def _top_k_call(fn: Callable, name: str, logits: Tensor, k: int, forbidden: Sequence[Forbidden]):
+    """:func:`_call`, with a hint when a crash comes from k larger than the vocabulary."""
+    try:
+        return _call(fn, name, logits, k, forbidden=forbidden)
+    except ExerciseError as e:
+        if k > logits.shape[-1] and not isinstance(e.__cause__, (ExerciseError, type(None))):
+            raise ExerciseError(
+                f"{e}\n  Hint: k may exceed the vocabulary size V={logits.shape[-1]}; then every token is kept. "
+                "Use min(k, logits.shape[-1])."
+            ) from None
+        raise
+
+
+def _filter_hints(got: Tensor, want: Tensor, case: Case) -> str | None:
+    """Property-based diagnoses shared by the filters: probabilities returned, or 0 instead of -inf."""
+    return _softmax_hint(got) or _zero_hint(got, want)
+
+
+TOP_K = Task("top_k_filter", _sampling.top_k_filter, _GPTLAB_FILTERS, _top_k_cases, ATOL, RTOL, _top_k_mistakes,
+             _expect_logits, _filter_hints, caller=_top_k_call)
+
+
 def check_top_k_filter(fn: Callable[[Tensor, int], Tensor], seed: int = 0) -> None:
     """Check ``top_k_filter(logits, k)``: logits (B, V); the k largest logits of each row and every
     logit tied with the k-th stay, the rest become ``-inf``; ``k >= V`` keeps everything. Compared
     with :func:`gptlab.sampling.top_k_filter` (atol 1e-6, rtol 1e-5) on random logits, ties, k = 1,
     k = V and k > V.
     """
-    require_function(fn, "top_k_filter")
-    a, b = _cases(seed, [(3, 10), (1, 6)])
-    ties = torch.tensor([[2.0, 1.0, 1.0, 0.5, 1.0, -1.0], [0.0, 3.0, 3.0, 3.0, -2.0, 1.0]])
-    cases = [(a, 3), (ties, 2), (a, 1), (b, 6), (b, 9), (ties, 4)]
-    for logits, k in cases:
-        try:
-            got = _call(fn, "top_k_filter", logits, k, forbidden=_GPTLAB_FILTERS)
-        except ExerciseError as e:
-            if k > logits.shape[-1] and not isinstance(e.__cause__, (ExerciseError, type(None))):
-                raise ExerciseError(
-                    f"{e}\n  Hint: k may exceed the vocabulary size V={logits.shape[-1]}; then every token is kept. "
-                    "Use min(k, logits.shape[-1])."
-                ) from None
-            raise
-        got = _expect_logits(got, f"top_k_filter(logits, {k})", logits)
-        want = _sampling.top_k_filter(logits, k)
-        expect_close(got, want, f"top_k_filter(logits, k={k})", f"logits {describe(logits)}, k={k}",
-                     ATOL, RTOL, mistakes=_top_k_mistakes(logits, k),
-                     diagnose=lambda x, w=want: _softmax_hint(x) or _zero_hint(x, w))
+    TOP_K.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- top-p
@@ -309,6 +330,16 @@ def _top_p_mistakes(logits: Tensor, p: float) -> list:
     ]
 
 
+def _top_p_cases(seed: int) -> list[Case]:
+    a, b = _cases(seed, [(4, 12), (1, 8)])
+    hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()  # p=0.7: keep 0.5 and 0.3 (0.8 >= 0.7)
+    shuffled = hand[:, [2, 0, 3, 1]]
+    cases = [(hand, 0.7), (shuffled, 0.7), (a, 0.9), (a, 0.5), (b, 0.05), (a, 1.0), (b, 0.75)]
+    return [Case((logits, p), f"logits {describe(logits)} (probabilities "
+                 f"{describe(torch.softmax(logits, dim=-1).round(decimals=3))}), p={p}", f"top_p_filter(logits, p={p})")
+            for logits, p in cases]
+
+
 def check_top_p_filter(fn: Callable[[Tensor, float], Tensor], seed: int = 0) -> None:
     """Check ``top_p_filter(logits, p)``: logits (B, V), 0 < p <= 1; keep the smallest set of most
     likely tokens whose probability reaches p (the token that crosses p is kept; the most likely
@@ -316,22 +347,7 @@ def check_top_p_filter(fn: Callable[[Tensor, float], Tensor], seed: int = 0) -> 
     (Hugging Face's ``TopPLogitsWarper``; atol 1e-6, rtol 1e-5) on random logits, p = 0.9, 0.5,
     0.05, 1.0 and a hand-made row whose crossing token is easy to see.
     """
-    require_function(fn, "top_p_filter")
-    a, b = _cases(seed, [(4, 12), (1, 8)])
-    hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()  # p=0.7: keep 0.5 and 0.3 (0.8 >= 0.7)
-    shuffled = hand[:, [2, 0, 3, 1]]
-    cases = [(hand, 0.7), (shuffled, 0.7), (a, 0.9), (a, 0.5), (b, 0.05), (a, 1.0), (b, 0.75)]
-    for logits, p in cases:
-        got = _call(fn, "top_p_filter", logits, p, forbidden=_GPTLAB_FILTERS)
-        got = _expect_logits(got, f"top_p_filter(logits, {p})", logits)
-        want = _sampling.top_p_filter(logits, p)
-        probs = torch.softmax(logits, dim=-1)
-        expect_close(
-            got, want, f"top_p_filter(logits, p={p})",
-            f"logits {describe(logits)} (probabilities {describe(probs.round(decimals=3))}), p={p}",
-            ATOL, RTOL, mistakes=_top_p_mistakes(logits, p),
-            diagnose=lambda x, w=want: _softmax_hint(x) or _zero_hint(x, w) or _empty_hint(x),
-        )
+    TOP_P.check(fn, seed)
 
 
 def _empty_hint(got: Tensor) -> str | None:
@@ -339,6 +355,10 @@ def _empty_hint(got: Tensor) -> str | None:
         return ("a row has every token filtered out: always keep at least the most likely token, even when its "
                 "probability alone exceeds p.")
     return None
+
+
+TOP_P = Task("top_p_filter", _sampling.top_p_filter, _GPTLAB_FILTERS, _top_p_cases, ATOL, RTOL, _top_p_mistakes,
+             _expect_logits, lambda got, want, case: _filter_hints(got, want, case) or _empty_hint(got), caller=_call)
 
 
 # --------------------------------------------------------------------------- repetition penalty
@@ -372,6 +392,20 @@ def _penalty_mistakes(logits: Tensor, ids: Tensor, pen: float) -> list:
     ]
 
 
+def _penalty_cases(seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(3, 10, generator=g) * 2
+    ids = torch.tensor([[1, 4, 4, 7, 1, 4], [0, 2, 2, 2, 9, 5], [3, 3, 3, 3, 3, 3]])
+    one = (torch.randn(1, 6, generator=g) * 3, torch.tensor([[5, 0, 5]]))
+    cases = [(logits, ids, 1.3), (logits, ids, 0.8), (*one, 2.0), (logits, ids, 1.0)]
+    return [Case((lg, x, pen), f"logits {describe(lg)}, input_ids {describe(x)}, penalty={pen}",
+                 f"apply_repetition_penalty(logits, input_ids, penalty={pen})") for lg, x, pen in cases]
+
+
+REPETITION_PENALTY = Task("apply_repetition_penalty", _sampling.apply_repetition_penalty, _GPTLAB_FILTERS,
+                          _penalty_cases, ATOL, RTOL, _penalty_mistakes, _expect_logits, caller=_call)
+
+
 def check_apply_repetition_penalty(fn: Callable[[Tensor, Tensor, float], Tensor], seed: int = 0) -> None:
     """Check ``apply_repetition_penalty(logits, input_ids, penalty)``: logits (B, V), input_ids (B, T)
     int64; for each token present in row b's ids, a positive logit is divided by ``penalty`` and a
@@ -380,19 +414,7 @@ def check_apply_repetition_penalty(fn: Callable[[Tensor, Tensor, float], Tensor]
     ``RepetitionPenaltyLogitsProcessor``; atol 1e-6, rtol 1e-5) for penalties 1.3, 0.8 and 1, with
     repeated ids and rows of different histories.
     """
-    require_function(fn, "apply_repetition_penalty")
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(3, 10, generator=g) * 2
-    ids = torch.tensor([[1, 4, 4, 7, 1, 4], [0, 2, 2, 2, 9, 5], [3, 3, 3, 3, 3, 3]])
-    one = (torch.randn(1, 6, generator=g) * 3, torch.tensor([[5, 0, 5]]))
-    cases = [(logits, ids, 1.3), (logits, ids, 0.8), (*one, 2.0), (logits, ids, 1.0)]
-    for lg, x, pen in cases:
-        got = _call(fn, "apply_repetition_penalty", lg, x, pen, forbidden=_GPTLAB_FILTERS)
-        got = _expect_logits(got, f"apply_repetition_penalty(logits, input_ids, {pen})", lg)
-        want = _sampling.apply_repetition_penalty(lg, x, pen)
-        expect_close(got, want, f"apply_repetition_penalty(logits, input_ids, penalty={pen})",
-                     f"logits {describe(lg)}, input_ids {describe(x)}, penalty={pen}",
-                     ATOL, RTOL, mistakes=_penalty_mistakes(lg, x, pen))
+    REPETITION_PENALTY.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- sample_next
