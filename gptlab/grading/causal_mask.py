@@ -21,7 +21,8 @@ from torch import Tensor
 
 from .. import causal_mask as _exported_causal_mask
 from .. import masks as _masks
-from .core import ExerciseError, Forbidden, call, expect_close, expect_tensor, require_function, same
+from .core import ExerciseError, Forbidden, call, expect_tensor, require_function, same
+from .task import Case, Task
 
 __all__ = [
     "check_causal_mask",
@@ -276,6 +277,32 @@ def _weights_diagnosis(got: Tensor, scores: Tensor) -> str:
     return "the weights differ from softmax(scores masked with -inf where j > i, dim=-1)."
 
 
+def _weights_cases(seed: int, sizes: Sequence[int] = (5, 8, 1)) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for T in sizes:
+        scores = torch.randn(2, 3, T, T, generator=g)
+        out.append(Case((scores,), f"scores of shape {tuple(scores.shape)} (seeded)", f"causal_attention_weights for T={T}"))
+    return out
+
+
+def _expect_weights(got, case: Case) -> Tensor:
+    scores = case.args[0]
+    if isinstance(got, Tensor) and tuple(got.shape) != tuple(scores.shape):
+        raise ExerciseError(
+            f"for scores of shape {tuple(scores.shape)} the weights should have the same shape, "
+            f"got {tuple(got.shape)}."
+        )
+    return expect_tensor(got, "causal_attention_weights", dtype="float", device="cpu").float()
+
+
+CAUSAL_ATTENTION_WEIGHTS = Task(
+    "causal_attention_weights", reference_causal_attention_weights,
+    _GPTLAB_MASKS + (Forbidden(torch.nn.functional.scaled_dot_product_attention, "F.scaled_dot_product_attention"),),
+    _weights_cases, atol=1e-5, rtol=1e-4, mistakes=_weights_mistakes, expect=_expect_weights,
+    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[0]))
+
+
 def check_causal_attention_weights(
     fn: Callable[[Tensor], Tensor], sizes: Sequence[int] = (5, 8, 1), seed: int = 0
 ) -> None:
@@ -287,26 +314,7 @@ def check_causal_attention_weights(
     (tolerance atol 1e-5, rtol 1e-4: one softmax). The learner's function must not change
     ``scores`` in place. Raises :class:`ExerciseError` with a diagnosis otherwise.
     """
-    require_function(fn, "causal_attention_weights")
-    g = torch.Generator().manual_seed(seed)
-    forbidden = _GPTLAB_MASKS + (
-        Forbidden(torch.nn.functional.scaled_dot_product_attention, "F.scaled_dot_product_attention"),
-    )
-    for T in sizes:
-        scores = torch.randn(2, 3, T, T, generator=g)
-        got = call(fn, "causal_attention_weights", scores, forbidden=forbidden)
-        if isinstance(got, Tensor) and tuple(got.shape) != tuple(scores.shape):
-            raise ExerciseError(
-                f"for scores of shape {tuple(scores.shape)} the weights should have the same shape, "
-                f"got {tuple(got.shape)}."
-            )
-        got = expect_tensor(got, "causal_attention_weights", dtype="float", device="cpu").float()
-        want = reference_causal_attention_weights(scores)
-        expect_close(
-            got, want, f"causal_attention_weights for T={T}", f"scores of shape {tuple(scores.shape)} (seeded)",
-            atol=1e-5, rtol=1e-4, mistakes=_weights_mistakes(scores),
-            diagnose=lambda w: _weights_diagnosis(w, scores),
-        )
+    CAUSAL_ATTENTION_WEIGHTS.check(fn, seed, sizes=sizes)
 
 
 # --------------------------------------------------------------------------- combine_masks

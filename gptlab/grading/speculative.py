@@ -30,11 +30,11 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
-    expect_close,
     expect_distribution,
     expect_tensor,
     require_function,
 )
+from .task import Case, Task
 
 __all__ = [
     "check_accept_prob",
@@ -76,65 +76,78 @@ def _probs(g: torch.Generator, n: int, V: int, zeros: bool = True) -> Tensor:
 # --------------------------------------------------------------------------- accept_prob
 
 
+def _accept_cases(seed: int = 0) -> list[Case]:
+    """Every token the draft can propose (q[token] > 0) of the fixed rows P, Q (the seed is unused)."""
+    return [Case((P[r], Q[r], token), f"p = {P[r].tolist()}, q = {Q[r].tolist()}", f"accept_prob(p, q, token={token})")
+            for r in range(Q.shape[0]) for token in range(Q.shape[1]) if Q[r, token] > 0]
+
+
+def _expect_number(got, case: Case) -> Tensor:
+    """One number, as a float or a 1-element tensor, returned as a 0-d float tensor."""
+    what = f"accept_prob(p, q, {case.args[2]})"
+    if isinstance(got, Tensor):
+        got = expect_tensor(got, what, dtype="float")
+        if got.numel() != 1:
+            raise ExerciseError(f"{what} should be one number, got a tensor of shape "
+                                f"{tuple(got.shape)}: pick the draft token's entries p[token] and q[token].")
+        return got.reshape(()).float()
+    if isinstance(got, float | int) and not isinstance(got, bool):
+        return torch.tensor(float(got))
+    raise ExerciseError(f"accept_prob should return a number, got {type(got).__name__}.")
+
+
+def _accept_mistakes(p: Tensor, q: Tensor, token: int) -> list:
+    pt, qt = p[token], q[token]
+    return [
+        ("the ratio is upside down: accept with probability min(1, p/q), the TARGET's probability over the "
+         "draft's, so guesses the target likes more than the draft are always kept.",
+         lambda: torch.clamp(qt / pt, max=1.0) if pt > 0 else torch.tensor(float("inf"))),
+        ("you forgot the min(1, ...): a probability cannot exceed 1.", lambda: pt / qt),
+        ("you used a difference instead of the ratio p/q.", lambda: torch.clamp(pt - qt, min=0.0)),
+        ("you returned the target's probability p[token]; the rule is min(1, p[token] / q[token]).", lambda: pt),
+    ]
+
+
+ACCEPT_PROB = Task("accept_prob", lambda p, q, token: _spec.accept_prob(p, q, torch.tensor(token)).float(), _GPTLAB,
+                   _accept_cases, 1e-6, 1e-5, _accept_mistakes, _expect_number)
+
+
 def check_accept_prob(fn: Callable) -> None:
     """Check ``accept_prob(p, q, token)``: p, q (V,) distributions, token an int (drawn from q,
     so ``q[token] > 0``); returns ``min(1, p[token] / q[token])`` as a float or 0-d tensor."""
-    require_function(fn, "accept_prob")
-    for row in range(Q.shape[0]):
-        p, q = P[row], Q[row]
-        for token in range(q.shape[0]):
-            if q[token] == 0:
-                continue
-            got = call(fn, "accept_prob", p, q, token, forbidden=_GPTLAB)
-            if isinstance(got, Tensor):
-                got = expect_tensor(got, f"accept_prob(p, q, {token})", dtype="float")
-                if got.numel() != 1:
-                    raise ExerciseError(f"accept_prob(p, q, {token}) should be one number, got a tensor of shape "
-                                        f"{tuple(got.shape)}: pick the draft token's entries p[token] and q[token].")
-                got = got.reshape(())
-            elif isinstance(got, float | int) and not isinstance(got, bool):
-                got = torch.tensor(float(got))
-            else:
-                raise ExerciseError(f"accept_prob should return a number, got {type(got).__name__}.")
-            want = _spec.accept_prob(p, q, torch.tensor(token))
-            pt, qt = p[token], q[token]
-            mistakes = [
-                ("the ratio is upside down: accept with probability min(1, p/q), the TARGET's probability over the "
-                 "draft's, so guesses the target likes more than the draft are always kept.",
-                 lambda: torch.clamp(qt / pt, max=1.0) if pt > 0 else torch.tensor(float("inf"))),
-                ("you forgot the min(1, ...): a probability cannot exceed 1.", lambda: pt / qt),
-                ("you used a difference instead of the ratio p/q.", lambda: torch.clamp(pt - qt, min=0.0)),
-                ("you returned the target's probability p[token]; the rule is min(1, p[token] / q[token]).", lambda: pt),
-            ]
-            expect_close(got.float(), want.float(), f"accept_prob(p, q, token={token})",
-                         f"p = {p.tolist()}, q = {q.tolist()}", 1e-6, 1e-5, mistakes)
+    ACCEPT_PROB.check(fn)
 
 
 # --------------------------------------------------------------------------- residual_distribution
 
 
+def _residual_cases(seed: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    cases = [(P[r], Q[r]) for r in range(Q.shape[0])] + [(a, b) for a, b in zip(_probs(g, 3, 7), _probs(g, 3, 7, zeros=False))]
+    return [Case((p, q), f"p = {p.tolist()}, q = {q.tolist()}", "residual_distribution(p, q)") for p, q in cases]
+
+
+def _residual_mistakes(p: Tensor, q: Tensor) -> list:
+    raw = (p - q).clamp_min(0)
+    back = (q - p).clamp_min(0)
+    return [
+        ("you did not renormalise: divide max(0, p - q) by its sum so the probabilities add up to 1.", lambda: raw),
+        ("you subtracted the wrong way round: the residual is max(0, p - q), the probability the TARGET has and "
+         "the draft lacks.", lambda: back / back.sum()),
+        ("you used |p - q|; negative differences must be cut to 0 with max(0, p - q).",
+         lambda: (p - q).abs() / (p - q).abs().sum()),
+        ("you returned p itself; after a rejection the correction is drawn from max(0, p - q), normalised.", lambda: p),
+    ]
+
+
+RESIDUAL = Task("residual_distribution", _spec.residual_distribution, _GPTLAB, _residual_cases, 1e-6, 1e-5,
+                _residual_mistakes)
+
+
 def check_residual_distribution(fn: Callable, seed: int = 0) -> None:
     """Check ``residual_distribution(p, q) -> (V,)``: ``max(0, p - q)`` normalised to sum to 1.
     p, q (V,) are distributions that differ (so the residual is not all zero)."""
-    require_function(fn, "residual_distribution")
-    g = torch.Generator().manual_seed(seed)
-    cases = [(P[r], Q[r]) for r in range(Q.shape[0])] + [(a, b) for a, b in zip(_probs(g, 3, 7), _probs(g, 3, 7, zeros=False))]
-    for p, q in cases:
-        got = call(fn, "residual_distribution", p, q, forbidden=_GPTLAB)
-        got = expect_tensor(got, "residual_distribution(p, q)", shape=p.shape, dtype="float", finite=True).float()
-        want = _spec.residual_distribution(p, q)
-        raw = (p - q).clamp_min(0)
-        back = (q - p).clamp_min(0)
-        mistakes = [
-            ("you did not renormalise: divide max(0, p - q) by its sum so the probabilities add up to 1.", lambda: raw),
-            ("you subtracted the wrong way round: the residual is max(0, p - q), the probability the TARGET has and "
-             "the draft lacks.", lambda: back / back.sum()),
-            ("you used |p - q|; negative differences must be cut to 0 with max(0, p - q).",
-             lambda: (p - q).abs() / (p - q).abs().sum()),
-            ("you returned p itself; after a rejection the correction is drawn from max(0, p - q), normalised.", lambda: p),
-        ]
-        expect_close(got, want, "residual_distribution(p, q)", f"p = {p.tolist()}, q = {q.tolist()}",
-                     1e-6, 1e-5, mistakes)
+    RESIDUAL.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- expected tokens per pass

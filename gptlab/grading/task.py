@@ -78,8 +78,9 @@ class Task:
     """The package's own function: ``reference(*case.args)`` is the expected answer."""
     forbidden: Sequence[Forbidden]
     """Entry points the learner's function may not call (gptlab's reference, PyTorch's fused op)."""
-    cases: Callable[[int], Sequence[Case]]
-    """``seed -> cases``: the seed draws the random inputs (the autograder's hidden run uses its own)."""
+    cases: Callable[..., Sequence[Case]]
+    """``(seed, **options) -> cases``: the seed draws the random inputs (the autograder's hidden run
+    uses its own)."""
     atol: float = 0.0
     rtol: float = 0.0
     mistakes: Callable[..., Sequence[Candidate]] = _no_mistakes
@@ -93,11 +94,12 @@ class Task:
     show: Callable[[Tensor], str] = show_tensor
     """How a message shows the expected and the obtained tensors."""
 
-    def check(self, fn: Callable[..., Any], seed: int = 0) -> None:
+    def check(self, fn: Callable[..., Any], seed: int = 0, **options: Any) -> None:
         """Raise :class:`~gptlab.grading.core.ExerciseError` naming the mistake unless ``fn`` agrees
-        with :attr:`reference` on every case of ``cases(seed)``."""
+        with :attr:`reference` on every case of ``cases(seed, **options)`` (``options``: a check's
+        own settings, e.g. the mask sizes)."""
         require_function(fn, self.name)
-        for case in self.cases(seed):
+        for case in self.cases(seed, **options):
             self.check_case(fn, case)
 
     def check_case(self, fn: Callable[..., Any], case: Case) -> None:
