@@ -324,7 +324,7 @@ def test_an_endless_loop_costs_bounded_time(graded):
 @pytest.mark.parametrize("name", ASSIGNMENTS)
 def test_planted_mistakes_are_diagnosed(graded, name):
     if name not in assignments_with_catalogues():
-        pytest.skip(f"no mistake catalogue tests/mistakes/{name}.py yet")
+        pytest.skip(f"no mistake catalogue tests/mistakes/{name}.toml yet")
     course, plan, _, _ = graded
     scores = _scores(course)
     planted = [(s, m) for (a, s), (_, _, m) in plan.items() if a == name and m is not None]

@@ -1,5 +1,5 @@
 """The checks of the ``attention`` assignment (gptlab.grading.attention): what they accept, and
-the messages of the cases the mistake catalogue (tests/mistakes/attention.py) does not cover."""
+the messages of the cases the mistake catalogue (tests/mistakes/attention.toml) does not cover."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ def _solution(name: str) -> dict:
 
 
 def test_every_assignment_has_a_catalogue():
-    assert sorted(ASSIGNMENTS) == sorted(CATALOGUED), "each assignment in solutions/ needs tests/mistakes/<name>.py"
+    assert sorted(ASSIGNMENTS) == sorted(CATALOGUED), "each assignment in solutions/ needs tests/mistakes/<name>.toml"
 
 
 @pytest.mark.parametrize("name", ASSIGNMENTS)
@@ -58,7 +58,7 @@ def test_catalogue_covers_every_task(name):
         mine = [m for m in entries if m.task == task]
         assert len([m for m in mine if not m.delegation]) >= 3, f"{name}.{task}: fewer than 3 catalogued mistakes"
         if task not in no_delegation(name):
-            assert any(m.delegation for m in mine), f"{name}.{task}: no delegation entry (or a reason in NO_DELEGATION)"
+            assert any(m.delegation for m in mine), f"{name}.{task}: no delegation entry (or a reason in [no_delegation])"
     assert {m.task for m in entries} <= set(tasks), "catalogue entries for tasks the notebook does not have"
     assert len({(m.task, m.name) for m in entries}) == len(entries), "duplicate mistake names"
 
