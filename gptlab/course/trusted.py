@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..grading import core, remote, source
-from ..grading.tasks import Task, hidden_seed, task_for
+from ..grading.tasks import GradedCell, hidden_seed, task_for
 
 __all__ = ["Verdict", "TrustedGrader", "learner_cells"]
 
@@ -115,7 +115,7 @@ class TrustedGrader:
                               f"ran: {', '.join(planted)}. Its code is not in the notebook, which a graded notebook "
                               "must hold entirely.", "tampering")
 
-    def _run(self, task: Task, label: str, grade_id: str, conn: remote.Connection) -> Verdict:
+    def _run(self, task: GradedCell, label: str, grade_id: str, conn: remote.Connection) -> Verdict:
         handles = []
         for name in task.names:
             try:

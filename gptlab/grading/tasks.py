@@ -26,12 +26,13 @@ from typing import Any
 
 from . import attention, blocks, causal_mask, gpt_training, kv_cache, lm_basics, sampling, speculative
 
-__all__ = ["Task", "TASKS", "task_for", "hidden_seed"]
+__all__ = ["GradedCell", "TASKS", "task_for", "hidden_seed"]
 
 
 @dataclass(frozen=True)
-class Task:
-    """One graded test cell: ``check(*learner_names, **kwargs)``."""
+class GradedCell:
+    """One graded test cell: ``check(*learner_names, **kwargs)`` (the check of one task, or of a
+    few together)."""
 
     check: Callable[..., Any]
     names: tuple[str, ...]
@@ -55,68 +56,46 @@ def _attention_weights_sizes(s: int) -> dict:
     return {"sizes": (37, r.randint(9, 30)), "seed": s}
 
 
-TASKS: dict[str, dict[str, Task]] = {
+def _cells(module: Any, hidden: Callable[[int], dict] | None, *names: str, check: str | None = None) -> dict[str, GradedCell]:
+    """The cells ``test_<name>`` of one assignment's tasks ``names``, each checked by
+    ``module.check_<name>`` (or ``module.<check>``) on the learner's ``name``."""
+    return {f"test_{n}": GradedCell(getattr(module, check or f"check_{n}"), (n,), hidden) for n in names}
+
+
+TASKS: dict[str, dict[str, GradedCell]] = {
     "causal_mask": {
-        "test_causal_mask": Task(causal_mask.check_causal_mask, ("causal_mask",), _mask_sizes),
-        "test_additive_mask": Task(causal_mask.check_additive_mask, ("additive_mask",), _mask_sizes),
-        "test_causal_attention_weights": Task(causal_mask.check_causal_attention_weights,
-                                              ("causal_attention_weights",), _attention_weights_sizes),
-        "test_combine_masks": Task(causal_mask.check_combine_masks, ("combine_masks",), _seed),
+        **_cells(causal_mask, _mask_sizes, "causal_mask", "additive_mask"),
+        **_cells(causal_mask, _attention_weights_sizes, "causal_attention_weights"),
+        **_cells(causal_mask, _seed, "combine_masks"),
     },
     "lm_basics": {
-        "test_encode": Task(lm_basics.check_encode, ("encode",)),
-        "test_decode": Task(lm_basics.check_decode, ("decode",)),
-        "test_next_token_batch": Task(lm_basics.check_next_token_batch, ("next_token_batch",), _seed),
-        "test_cross_entropy": Task(lm_basics.check_cross_entropy, ("cross_entropy",), _seed),
-        "test_perplexity": Task(lm_basics.check_perplexity, ("perplexity",), _seed),
+        **_cells(lm_basics, None, "encode", "decode"),
+        **_cells(lm_basics, _seed, "next_token_batch", "cross_entropy", "perplexity"),
     },
     "attention": {
-        "test_attention_weights": Task(attention.check_attention_weights, ("attention_weights",), _seed),
-        "test_attend": Task(attention.check_attend, ("attend",), _seed),
-        "test_split_heads": Task(attention.check_split_heads, ("split_heads",), _seed),
-        "test_merge_heads": Task(attention.check_merge_heads, ("merge_heads",), _seed),
-        "test_CausalSelfAttention": Task(attention.check_causal_self_attention, ("CausalSelfAttention",), _seed),
+        **_cells(attention, _seed, "attention_weights", "attend", "split_heads", "merge_heads"),
+        **_cells(attention, _seed, "CausalSelfAttention", check="check_causal_self_attention"),
     },
-    "blocks": {
-        "test_layer_norm": Task(blocks.check_layer_norm, ("layer_norm",), _seed),
-        "test_gelu": Task(blocks.check_gelu, ("gelu",), _seed),
-        "test_rms_norm": Task(blocks.check_rms_norm, ("rms_norm",), _seed),
-        "test_apply_rope": Task(blocks.check_apply_rope, ("apply_rope",), _seed),
-        "test_Block": Task(blocks.check_Block, ("Block",), _seed),
-    },
+    "blocks": _cells(blocks, _seed, "layer_norm", "gelu", "rms_norm", "apply_rope", "Block"),
     "gpt_training": {
-        "test_GPT": Task(gpt_training.check_GPT, ("GPT",), _seed),
-        "test_count_params": Task(gpt_training.check_count_params, ("count_params",), _seed),
-        "test_lr_at": Task(gpt_training.check_lr_at, ("lr_at",), _seed),
+        **_cells(gpt_training, _seed, "GPT", "count_params", "lr_at"),
         # the training is long: graded once, with the hidden seed (its probe is the quick first run)
-        "test_train": Task(gpt_training.check_train, ("train", "GPT")),
+        "test_train": GradedCell(gpt_training.check_train, ("train", "GPT")),
     },
     "kv_cache": {
-        "test_KVCache": Task(kv_cache.check_kv_cache, ("KVCache",), _seed),
-        "test_cached_attention_step": Task(kv_cache.check_cached_attention_step, ("cached_attention_step",), _seed),
-        "test_generate_cached": Task(kv_cache.check_generate_cached, ("generate_cached",), _seed),
-        "test_kv_cache_bytes": Task(kv_cache.check_kv_cache_bytes, ("kv_cache_bytes",), _seed),
+        **_cells(kv_cache, _seed, "KVCache", check="check_kv_cache"),
+        **_cells(kv_cache, _seed, "cached_attention_step", "generate_cached", "kv_cache_bytes"),
     },
-    "sampling": {
-        "test_apply_temperature": Task(sampling.check_apply_temperature, ("apply_temperature",), _seed),
-        "test_top_k_filter": Task(sampling.check_top_k_filter, ("top_k_filter",), _seed),
-        "test_top_p_filter": Task(sampling.check_top_p_filter, ("top_p_filter",), _seed),
-        "test_apply_repetition_penalty": Task(sampling.check_apply_repetition_penalty,
-                                              ("apply_repetition_penalty",), _seed),
-        "test_sample_next": Task(sampling.check_sample_next, ("sample_next",), _seed),
-        "test_beam_search": Task(sampling.check_beam_search, ("beam_search",), _seed),
-    },
+    "sampling": _cells(sampling, _seed, "apply_temperature", "top_k_filter", "top_p_filter",
+                       "apply_repetition_penalty", "sample_next", "beam_search"),
     "speculative": {
-        "test_accept_prob": Task(speculative.check_accept_prob, ("accept_prob",)),
-        "test_residual_distribution": Task(speculative.check_residual_distribution, ("residual_distribution",), _seed),
-        "test_expected_tokens_per_pass": Task(speculative.check_expected_tokens_per_pass,
-                                              ("expected_tokens_per_pass",), _seed),
-        "test_speculative_step": Task(speculative.check_speculative_step, ("speculative_step",), _seed),
+        **_cells(speculative, None, "accept_prob"),
+        **_cells(speculative, _seed, "residual_distribution", "expected_tokens_per_pass", "speculative_step"),
     },
 }
 
 
-def task_for(notebook: str, grade_id: str) -> Task | None:
+def task_for(notebook: str, grade_id: str) -> GradedCell | None:
     """The task of test cell ``grade_id`` in the assignment notebook ``notebook`` (None if unknown)."""
     return TASKS.get(notebook, {}).get(grade_id)
 
