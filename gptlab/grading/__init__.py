@@ -14,6 +14,7 @@ raises :class:`ExerciseError` (an ``AssertionError``, so nbgrader counts the tes
 whose message names the input, what was expected, what came, and the most likely mistake.
 """
 
+from .causal_mask import __all__ as _causal_mask_names
 from .causal_mask import (
     check_additive_mask,
     check_causal_attention_weights,
@@ -24,13 +25,4 @@ from .causal_mask import (
 )
 from .core import DelegationError, ExerciseError
 
-__all__ = [
-    "ExerciseError",
-    "DelegationError",
-    "check_causal_mask",
-    "check_additive_mask",
-    "check_causal_attention_weights",
-    "check_combine_masks",
-    "diagnose_mask",
-    "reference_causal_attention_weights",
-]
+__all__ = ["ExerciseError", "DelegationError", *_causal_mask_names]

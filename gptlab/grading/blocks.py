@@ -36,7 +36,7 @@ from .. import attention as _attention
 from .. import layers as _layers
 from .. import model as _model
 from .. import rope as _rope
-from .core import ExerciseError, Forbidden, call, torch_family, describe, expect_close, expect_tensor
+from .core import ExerciseError, Forbidden, call, package_entries, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
 from .task import Case, Task
 
@@ -47,8 +47,7 @@ ATOL, RTOL = 1e-5, 1e-4  # single ops, float32 against a float64 reference
 BLOCK_ATOL, BLOCK_RTOL = 2e-5, 2e-4  # the composed block
 
 _FORBID_LAYER_NORM = (
-    Forbidden(_layers.layer_norm, "gptlab.layers.layer_norm"),
-    Forbidden(_layers.LayerNorm, "gptlab.layers.LayerNorm"),
+    *package_entries(_layers, "layer_norm", "LayerNorm"),
     Forbidden(F.layer_norm, "F.layer_norm"),
     Forbidden(torch.layer_norm, "torch.layer_norm"),
     Forbidden(torch.native_layer_norm, "torch.native_layer_norm"),
@@ -63,15 +62,13 @@ _FORBID_LAYER_NORM = (
 _FORBID_LAYER_NORM += torch_family("layer_norm", "batch_norm", "group_norm", "instance_norm",
                                    but=[f.target for f in _FORBID_LAYER_NORM])  # torch.batch_norm on (1, N, C)
 _FORBID_GELU = (
-    Forbidden(_layers.gelu, "gptlab.layers.gelu"),
-    Forbidden(_layers.new_gelu, "gptlab.layers.new_gelu"),
+    *package_entries(_layers, "gelu", "new_gelu"),
     Forbidden(F.gelu, "F.gelu"),
     Forbidden(nn.GELU, "nn.GELU"),
 )
 _FORBID_GELU += torch_family("gelu", but=[f.target for f in _FORBID_GELU])
 _FORBID_RMS_NORM = (
-    Forbidden(_layers.rms_norm, "gptlab.layers.rms_norm"),
-    Forbidden(_layers.RMSNorm, "gptlab.layers.RMSNorm"),
+    *package_entries(_layers, "rms_norm", "RMSNorm"),
     Forbidden(F.rms_norm, "F.rms_norm"),
     Forbidden(torch.rms_norm, "torch.rms_norm"),
     Forbidden(nn.RMSNorm, "nn.RMSNorm"),
@@ -95,6 +92,13 @@ def _f64(fn: Callable[..., Tensor], *args: Tensor | float) -> Tensor:
 # --------------------------------------------------------------------------- layer_norm
 
 
+def _scale(var: Tensor, eps: float, sqrt: bool, eps_outside: bool) -> Tensor:
+    """What a norm divides by: sqrt(var + eps), or one of two mistakes (no square root; eps outside it)."""
+    if not sqrt:
+        return var + eps
+    return var.sqrt() + eps if eps_outside else (var + eps).sqrt()
+
+
 def _ln_variant(x, w, b, eps, *, dim=-1, unbiased=False, eps_outside=False, center=True, sqrt=True,
                 affine="both"):
     """LayerNorm with one of the usual mistakes switched on (float64)."""
@@ -104,13 +108,7 @@ def _ln_variant(x, w, b, eps, *, dim=-1, unbiased=False, eps_outside=False, cent
     else:
         mean, var = x.mean(dim, keepdim=True), x.var(dim, keepdim=True, unbiased=unbiased)
     xc = x - mean if center else x
-    if not sqrt:
-        den = var + eps
-    elif eps_outside:
-        den = var.sqrt() + eps
-    else:
-        den = (var + eps).sqrt()
-    xh = xc / den
+    xh = xc / _scale(var, eps, sqrt, eps_outside)
     out = {"both": xh * w + b, "none": xh, "weight": xh * w, "bias": xh + b, "swapped": xh * b + w}[affine]
     return out.float()
 
@@ -293,13 +291,7 @@ def _rms_variant(x, w, eps, *, dim=-1, center=False, eps_outside=False, sqrt=Tru
     if center:
         x = x - x.mean(dim, keepdim=True)
     ms = x.pow(2).sum(dim, keepdim=True) if l2 else x.pow(2).mean(dim, keepdim=True)
-    if not sqrt:
-        den = ms + eps
-    elif eps_outside:
-        den = ms.sqrt() + eps
-    else:
-        den = (ms + eps).sqrt()
-    y = x / den
+    y = x / _scale(ms, eps, sqrt, eps_outside)
     return (y * w if weight else y).float()
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "forbidden_specs",
     "resolve_forbidden",
     "torch_family",
+    "package_entries",
     "call",
     "expect_tensor",
     "expect_close",
@@ -199,6 +200,19 @@ def resolve_forbidden(spec: Sequence[str]) -> Any:
     for part in qual.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def package_entries(module: Any, *names: str) -> tuple[Forbidden, ...]:
+    """The package's own ``module.<name>`` for each of ``names`` (dotted for a method, e.g.
+    ``"ConcatKVCache.update"``), as forbidden entries named ``<module>.<name>``: the references a
+    learner's function may not call."""
+    out = []
+    for name in names:
+        target = module
+        for part in name.split("."):
+            target = getattr(target, part)
+        out.append(Forbidden(target, f"{module.__name__}.{name}"))
+    return tuple(out)
 
 
 def torch_family(*parts: str, but: Sequence[Any] = ()) -> tuple[Forbidden, ...]:

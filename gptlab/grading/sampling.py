@@ -39,6 +39,7 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
+    package_entries,
     close,
     describe,
     expect_distribution,
@@ -62,22 +63,11 @@ __all__ = [
 NINF = float("-inf")
 ATOL, RTOL = 1e-6, 1e-5
 
-_GPTLAB_FILTERS = (
-    Forbidden(_sampling.apply_temperature, "gptlab.sampling.apply_temperature"),
-    Forbidden(_sampling.top_k_filter, "gptlab.sampling.top_k_filter"),
-    Forbidden(_sampling.top_p_filter, "gptlab.sampling.top_p_filter"),
-    Forbidden(_sampling.min_p_filter, "gptlab.sampling.min_p_filter"),
-    Forbidden(_sampling.greedy_filter, "gptlab.sampling.greedy_filter"),
-    Forbidden(_sampling.apply_repetition_penalty, "gptlab.sampling.apply_repetition_penalty"),
-    Forbidden(_sampling.apply_frequency_penalty, "gptlab.sampling.apply_frequency_penalty"),
-    Forbidden(_sampling.apply_presence_penalty, "gptlab.sampling.apply_presence_penalty"),
-    Forbidden(_sampling.process_logits, "gptlab.sampling.process_logits"),
-)
-_GPTLAB_SAMPLERS = (
-    Forbidden(_sampling.sample_next, "gptlab.sampling.sample_next"),
-    Forbidden(_sampling.sample_from_probs, "gptlab.sampling.sample_from_probs"),
-    Forbidden(_generation.generate, "gptlab.generate"),
-)
+_GPTLAB_FILTERS = package_entries(
+    _sampling, "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter", "greedy_filter",
+    "apply_repetition_penalty", "apply_frequency_penalty", "apply_presence_penalty", "process_logits")
+_GPTLAB_SAMPLERS = package_entries(_sampling, "sample_next", "sample_from_probs") + (
+    Forbidden(_generation.generate, "gptlab.generate"),)
 _GPTLAB_BEAM = (Forbidden(_generation.beam_search, "gptlab.beam_search"),)
 
 _HF_MODULE = "transformers.generation.logits_process"
@@ -299,21 +289,6 @@ def _top_p_mistakes(logits: Tensor, p: float) -> list:
         remove[..., 0] = False
         return logits.masked_fill(remove, NINF)
 
-    def no_min_one():
-        s, idx = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(s, dim=-1)
-        before = probs.cumsum(-1) - probs
-        remove = before >= p
-        remove = torch.zeros_like(remove).scatter(-1, idx, remove)
-        return logits.masked_fill(remove, NINF)
-
-    def ascending_keep():
-        s, idx = torch.sort(logits, dim=-1, descending=False)
-        cum = torch.softmax(s, dim=-1).cumsum(-1)
-        remove = cum > p
-        remove = torch.zeros_like(remove).scatter(-1, idx, remove)
-        return logits.masked_fill(remove, NINF)
-
     return [
         ("you dropped the token that crosses p: the nucleus is the smallest set whose probability REACHES p, "
          "so the token that takes the cumulative sum past p stays. Remove a token only when the tokens more "
@@ -322,7 +297,7 @@ def _top_p_mistakes(logits: Tensor, p: float) -> list:
          "the tokens before it already reach p.", lambda: desc(False)),
         ("you sorted in ascending order, so the cumulative sum starts from the least likely tokens and you keep "
          "the wrong ones. Sort descending (most likely first), or follow Hugging Face: ascending, remove "
-         "cumulative <= 1 - p.", ascending_keep),
+         "cumulative <= 1 - p.", lambda: desc(True, ascending=True)),
         ("you set -inf at positions of the SORTED order: map the mask back to the original token ids "
          "(scatter it with the sort indices) before filtering.", shifted_no_unsort),
         ("you did not map the mask back to the original token order (scatter with the sort indices).",

@@ -30,6 +30,7 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
+    package_entries,
     expect_distribution,
     expect_tensor,
     require_function,
@@ -44,13 +45,8 @@ __all__ = [
     "first_token_distribution",
 ]
 
-_GPTLAB = (
-    Forbidden(_spec.accept_prob, "gptlab.generation.speculative.accept_prob"),
-    Forbidden(_spec.residual_distribution, "gptlab.generation.speculative.residual_distribution"),
-    Forbidden(_spec.expected_tokens_per_pass, "gptlab.generation.speculative.expected_tokens_per_pass"),
-    Forbidden(_spec.speculative_step, "gptlab.generation.speculative.speculative_step"),
-    Forbidden(_spec.speculative_generate, "gptlab.speculative_generate"),
-)
+_GPTLAB = package_entries(_spec, "accept_prob", "residual_distribution", "expected_tokens_per_pass",
+                          "speculative_step") + (Forbidden(_spec.speculative_generate, "gptlab.speculative_generate"),)
 
 # A target and a draft that disagree a lot, so that every mistake moves the distributions far.
 P = torch.tensor([
