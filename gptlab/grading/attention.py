@@ -38,7 +38,7 @@ from torch._C import _VariableFunctions as _VF
 
 from .. import attention as _att
 from .. import GPTConfig
-from .core import ExerciseError, Forbidden, call, package_entries, torch_family, describe, expect_close, expect_tensor, require_function, same
+from .core import ExerciseError, Forbidden, call, entries_of, torch_family, describe, expect_close, expect_tensor, require_function, same
 from .remote import is_module, is_module_class, load_params
 from .task import Case, Task
 
@@ -61,8 +61,8 @@ _FUSED = (
 )
 _FUSED += torch_family("scaled_dot_product", "multi_head_attention", "scaled_dot_attention",
                        but=[f.target for f in _FUSED])  # torch._scaled_dot_product_flash_attention_for_cpu, ...
-_GPTLAB_ATTENTION = package_entries(_att, "attention_weights", "attention", "CausalSelfAttention")
-_GPTLAB_HEADS = package_entries(_att, "split_heads", "merge_heads")
+_GPTLAB_ATTENTION = entries_of(_att, "attention_weights", "attention", "CausalSelfAttention")
+_GPTLAB_HEADS = entries_of(_att, "split_heads", "merge_heads")
 _FORBIDDEN_ATTENTION = _GPTLAB_ATTENTION + _FUSED
 _FORBIDDEN_LAYER = _GPTLAB_ATTENTION + _GPTLAB_HEADS + _FUSED
 

@@ -36,7 +36,7 @@ from .. import attention as _attention
 from .. import layers as _layers
 from .. import model as _model
 from .. import rope as _rope
-from .core import ExerciseError, Forbidden, call, package_entries, torch_family, describe, expect_close, expect_tensor
+from .core import ExerciseError, call, entries_of, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
 from .task import Case, Task
 
@@ -47,41 +47,22 @@ ATOL, RTOL = 1e-5, 1e-4  # single ops, float32 against a float64 reference
 BLOCK_ATOL, BLOCK_RTOL = 2e-5, 2e-4  # the composed block
 
 _FORBID_LAYER_NORM = (
-    *package_entries(_layers, "layer_norm", "LayerNorm"),
-    Forbidden(F.layer_norm, "F.layer_norm"),
-    Forbidden(torch.layer_norm, "torch.layer_norm"),
-    Forbidden(torch.native_layer_norm, "torch.native_layer_norm"),
-    Forbidden(nn.LayerNorm, "nn.LayerNorm"),
+    entries_of(_layers, "layer_norm", "LayerNorm")
     # the other normalisations compute a layer norm too when given the right shape
-    Forbidden(F.group_norm, "F.group_norm"),
-    Forbidden(F.instance_norm, "F.instance_norm"),
-    Forbidden(F.batch_norm, "F.batch_norm"),
-    Forbidden(torch.group_norm, "torch.group_norm"),
-    Forbidden(nn.GroupNorm, "nn.GroupNorm"),
+    + entries_of(F, "layer_norm", "group_norm", "instance_norm", "batch_norm", prefix="F")
+    + entries_of(torch, "layer_norm", "native_layer_norm", "group_norm")
+    + entries_of(nn, "LayerNorm", "GroupNorm", prefix="nn")
 )
 _FORBID_LAYER_NORM += torch_family("layer_norm", "batch_norm", "group_norm", "instance_norm",
                                    but=[f.target for f in _FORBID_LAYER_NORM])  # torch.batch_norm on (1, N, C)
-_FORBID_GELU = (
-    *package_entries(_layers, "gelu", "new_gelu"),
-    Forbidden(F.gelu, "F.gelu"),
-    Forbidden(nn.GELU, "nn.GELU"),
-)
+_FORBID_GELU = entries_of(_layers, "gelu", "new_gelu") + entries_of(F, "gelu", prefix="F") + entries_of(nn, "GELU", prefix="nn")
 _FORBID_GELU += torch_family("gelu", but=[f.target for f in _FORBID_GELU])
-_FORBID_RMS_NORM = (
-    *package_entries(_layers, "rms_norm", "RMSNorm"),
-    Forbidden(F.rms_norm, "F.rms_norm"),
-    Forbidden(torch.rms_norm, "torch.rms_norm"),
-    Forbidden(nn.RMSNorm, "nn.RMSNorm"),
-)
+_FORBID_RMS_NORM = (entries_of(_layers, "rms_norm", "RMSNorm") + entries_of(F, "rms_norm", prefix="F")
+                    + entries_of(torch, "rms_norm") + entries_of(nn, "RMSNorm", prefix="nn"))
 _FORBID_RMS_NORM += torch_family("rms_norm", but=[f.target for f in _FORBID_RMS_NORM])  # torch._fused_rms_norm
-_FORBID_ROPE = (Forbidden(_rope.apply_rope, "gptlab.rope.apply_rope"),)
-_FORBID_BLOCK = (
-    Forbidden(_model.Block, "gptlab.model.Block"),
-    Forbidden(_layers.MLP, "gptlab.layers.MLP"),
-    Forbidden(_attention.CausalSelfAttention, "gptlab.attention.CausalSelfAttention"),
-    Forbidden(nn.TransformerEncoderLayer, "nn.TransformerEncoderLayer"),
-    Forbidden(nn.TransformerDecoderLayer, "nn.TransformerDecoderLayer"),
-)
+_FORBID_ROPE = entries_of(_rope, "apply_rope")
+_FORBID_BLOCK = (entries_of(_model, "Block") + entries_of(_layers, "MLP") + entries_of(_attention, "CausalSelfAttention")
+                 + entries_of(nn, "TransformerEncoderLayer", "TransformerDecoderLayer", prefix="nn"))
 
 
 def _f64(fn: Callable[..., Tensor], *args: Tensor | float) -> Tensor:

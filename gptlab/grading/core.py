@@ -46,7 +46,7 @@ __all__ = [
     "forbidden_specs",
     "resolve_forbidden",
     "torch_family",
-    "package_entries",
+    "entries_of",
     "call",
     "expect_tensor",
     "expect_close",
@@ -202,16 +202,18 @@ def resolve_forbidden(spec: Sequence[str]) -> Any:
     return obj
 
 
-def package_entries(module: Any, *names: str) -> tuple[Forbidden, ...]:
-    """The package's own ``module.<name>`` for each of ``names`` (dotted for a method, e.g.
-    ``"ConcatKVCache.update"``), as forbidden entries named ``<module>.<name>``: the references a
+def entries_of(module: Any, *names: str, prefix: str | None = None) -> tuple[Forbidden, ...]:
+    """``module.<name>`` for each of ``names`` (dotted for a method, e.g. ``"ConcatKVCache.update"``)
+    as forbidden entries named ``<prefix>.<name>`` (``prefix``: the module's name unless given, e.g.
+    ``"F"`` for ``torch.nn.functional``): the package's references, or PyTorch's fused ops, that a
     learner's function may not call."""
+    prefix = prefix or module.__name__
     out = []
     for name in names:
         target = module
         for part in name.split("."):
             target = getattr(target, part)
-        out.append(Forbidden(target, f"{module.__name__}.{name}"))
+        out.append(Forbidden(target, f"{prefix}.{name}"))
     return tuple(out)
 
 

@@ -32,7 +32,7 @@ from .. import kvcache as _kvcache
 from ..attention import CausalSelfAttention, attention, merge_heads, split_heads
 from ..masks import causal_mask
 from ..model import GPT, Block, GPTConfig
-from .core import ExerciseError, Forbidden, call, package_entries, expect_close, expect_tensor, require_function, same, show_tensor
+from .core import ExerciseError, Forbidden, call, entries_of, expect_close, expect_tensor, require_function, same, show_tensor
 
 __all__ = [
     "check_kv_cache",
@@ -44,9 +44,7 @@ __all__ = [
     "tiny_model",
 ]
 
-_CACHES = (
-    *package_entries(_kvcache, "ConcatKVCache.update", "StaticKVCache.update"),
-)
+_CACHES = entries_of(_kvcache, "ConcatKVCache.update", "StaticKVCache.update")
 _MODEL_PATHS = _CACHES + (
     Forbidden(GPT.forward, "the model's own forward (model(idx))"),
     Forbidden(GPT.decode, "model.decode"),
@@ -407,7 +405,7 @@ def check_kv_cache_bytes(fn: Callable[..., int], seed: int | None = None) -> Non
     a single case can fit two mistakes (with 2-byte elements, "keys only" and "elements" agree).
     """
     require_function(fn, "kv_cache_bytes")
-    forbidden = package_entries(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for")
+    forbidden = entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for")
     results = []
     cases = _BYTES_CASES + (_random_bytes_cases(seed) if seed is not None else [])
     for case in cases:

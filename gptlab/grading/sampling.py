@@ -39,7 +39,7 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
-    package_entries,
+    entries_of,
     close,
     describe,
     expect_distribution,
@@ -63,10 +63,10 @@ __all__ = [
 NINF = float("-inf")
 ATOL, RTOL = 1e-6, 1e-5
 
-_GPTLAB_FILTERS = package_entries(
+_GPTLAB_FILTERS = entries_of(
     _sampling, "apply_temperature", "top_k_filter", "top_p_filter", "min_p_filter", "greedy_filter",
     "apply_repetition_penalty", "apply_frequency_penalty", "apply_presence_penalty", "process_logits")
-_GPTLAB_SAMPLERS = package_entries(_sampling, "sample_next", "sample_from_probs") + (
+_GPTLAB_SAMPLERS = entries_of(_sampling, "sample_next", "sample_from_probs") + (
     Forbidden(_generation.generate, "gptlab.generate"),)
 _GPTLAB_BEAM = (Forbidden(_generation.beam_search, "gptlab.beam_search"),)
 

@@ -30,7 +30,7 @@ from .core import (
     ExerciseError,
     Forbidden,
     call,
-    package_entries,
+    entries_of,
     expect_distribution,
     expect_tensor,
     require_function,
@@ -45,7 +45,7 @@ __all__ = [
     "first_token_distribution",
 ]
 
-_GPTLAB = package_entries(_spec, "accept_prob", "residual_distribution", "expected_tokens_per_pass",
+_GPTLAB = entries_of(_spec, "accept_prob", "residual_distribution", "expected_tokens_per_pass",
                           "speculative_step") + (Forbidden(_spec.speculative_generate, "gptlab.speculative_generate"),)
 
 # A target and a draft that disagree a lot, so that every mistake moves the distributions far.
