@@ -52,8 +52,9 @@ VARIANTS = {
     "llama_window": {**LLAMA, "window_size": 6},
 }
 """The test suite's one table of model variants: ``{id: GPTConfig overrides}``, each applied over a
-test file's own tiny base config (:func:`variant_model`'s, or ``tests/test_model.py``'s ``GPT2_TINY``;
-every base has ``n_embd`` divisible by 4 heads). ``"gpt2"`` is the base itself; the others change one
+test file's own tiny base config (:func:`variant_model`'s; ``GPT2_TINY`` in tests/test_model.py; the
+``_model`` of tests/test_generation.py and tests/test_diagram.py; every one has ``n_embd`` divisible
+by 4 heads). ``"gpt2"`` is the base itself; the others change one
 thing (norm, MLP, positions, MLP width, key/value heads, post-norm, the attention path, a sliding
 window) or combine several (``"llama"``). Head counts are written out wherever a variant depends on
 them, so a variant is the same whatever the base's ``n_head``. The model, KV-cache, generation,
