@@ -11,11 +11,12 @@ import torch
 
 from gptlab.diagram import draw_gpt, trace_shapes
 from gptlab.model import GPT, GPTConfig
+from tiny_models import VARIANTS
 
 
 def _model(**kw) -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=24, **kw)).eval()
+    return GPT(GPTConfig(**{**dict(vocab_size=50, block_size=16, n_layer=3, n_head=2, n_embd=24), **kw})).eval()
 
 
 def test_trace_shapes_are_the_forward_pass_shapes():
@@ -45,7 +46,13 @@ def test_every_box_names_a_module_of_the_model_and_its_shape():
     matplotlib.pyplot.close(fig)
 
 
-@pytest.mark.parametrize("kw", [dict(mlp="swiglu"), dict(pos_emb="rope"), dict(prenorm=False)])
-def test_other_layouts_are_refused(kw):
+# draw_gpt draws GPT-2's boxes (pre-norm, GELU MLP, learned positions); the variants that change any
+# of these have other boxes and are refused (a different norm, width or head count is still drawn).
+OTHER_LAYOUTS = [name for name, kw in VARIANTS.items()
+                 if kw.get("prenorm") is False or kw.get("mlp") == "swiglu" or kw.get("pos_emb") == "rope"]
+
+
+@pytest.mark.parametrize("variant", OTHER_LAYOUTS)
+def test_other_layouts_are_refused(variant):
     with pytest.raises(ValueError, match="GPT-2's layout"):
-        draw_gpt(_model(**kw), torch.zeros(1, 4, dtype=torch.long))
+        draw_gpt(_model(**VARIANTS[variant]), torch.zeros(1, 4, dtype=torch.long))

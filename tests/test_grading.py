@@ -73,12 +73,17 @@ MASK_MISTAKES = {
 }
 
 
+def _assert_diagnosed(check, mistakes: dict, mistake: str) -> None:
+    """``check`` rejects the planted mistake ``mistakes[mistake]`` with its own diagnosis."""
+    fn, diagnosis = mistakes[mistake]
+    with pytest.raises(ExerciseError) as exc:
+        check(fn)
+    assert diagnosis in str(exc.value), f"{mistake}: got the message\n{exc.value}"
+
+
 @pytest.mark.parametrize("mistake", list(MASK_MISTAKES))
 def test_mask_mistakes_are_diagnosed(mistake):
-    fn, diagnosis = MASK_MISTAKES[mistake]
-    with pytest.raises(ExerciseError) as exc:
-        check_causal_mask(fn)
-    assert diagnosis in str(exc.value), f"{mistake}: got the message\n{exc.value}"
+    _assert_diagnosed(check_causal_mask, MASK_MISTAKES, mistake)
 
 
 def test_mask_diagnosis_shows_both_masks():
@@ -169,7 +174,4 @@ WEIGHT_MISTAKES = {
 
 @pytest.mark.parametrize("mistake", list(WEIGHT_MISTAKES))
 def test_weight_mistakes_are_diagnosed(mistake):
-    fn, diagnosis = WEIGHT_MISTAKES[mistake]
-    with pytest.raises(ExerciseError) as exc:
-        check_causal_attention_weights(fn)
-    assert diagnosis in str(exc.value), f"{mistake}: got the message\n{exc.value}"
+    _assert_diagnosed(check_causal_attention_weights, WEIGHT_MISTAKES, mistake)

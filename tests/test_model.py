@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
-from tiny_models import tiny_gpt
+from tiny_models import COVERING, LLAMA, VARIANTS, WINDOWED, tiny_gpt
 
 from gptlab.kvcache import ConcatKVCache, SlidingWindowKVCache, StaticKVCache
 from gptlab.attention import attention
@@ -27,10 +27,7 @@ V = 61  # a vocabulary size that is not a power of two
 
 
 GPT2_TINY = dict(vocab_size=V, block_size=32, n_layer=2, n_head=4, n_embd=32)
-LLAMA_TINY = dict(
-    vocab_size=V, block_size=32, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=False,
-    norm="rmsnorm", mlp="swiglu", pos_emb="rope", rope_theta=500.0, tie_weights=False,
-)
+LLAMA_TINY = {**GPT2_TINY, **LLAMA}  # the "llama" variant of tests/tiny_models.py, whole
 
 
 def tiny(seed: int = 0, **overrides) -> GPT:
@@ -106,19 +103,13 @@ def test_attention_fully_masked_row_gives_zeros_not_nan():
     assert torch.equal(out[0, 0, 0], torch.zeros(4)) and torch.equal(w[0, 0, 0], torch.zeros(3))
 
 
-EXPLICIT_VS_SDPA = {
-    "gpt2": {},
-    "gqa": dict(n_kv_head=2),
-    "mqa_rope": dict(n_kv_head=1, pos_emb="rope"),
-    "window": dict(window_size=5),
-    "llama": LLAMA_TINY,
-    "postnorm": dict(prenorm=False),
-}
+# A variant that fixes attn_impl itself (postnorm_explicit) has no SDPA path to compare.
+SDPA_VARIANTS = [name for name, kw in VARIANTS.items() if "attn_impl" not in kw]
 
 
-@pytest.mark.parametrize("name", EXPLICIT_VS_SDPA)
+@pytest.mark.parametrize("name", SDPA_VARIANTS)
 def test_explicit_and_sdpa_paths_agree(name):
-    fast = tiny(**EXPLICIT_VS_SDPA[name])
+    fast = tiny(**VARIANTS[name])
     slow = GPT(GPTConfig(**{**fast.config.to_dict(), "attn_impl": "explicit"})).eval()
     slow.load_state_dict(fast.state_dict())
     x = ids(T=20)
@@ -358,19 +349,12 @@ def test_parameter_count_modern_variants():
     assert model.num_params(non_embedding=True) == model.num_params() - V_ * C
 
 
-FLOP_CONFIGS = {
-    "gpt2": {},
-    "llama_gqa": LLAMA_TINY,
-    "inner": dict(n_inner=40),
-}
-
-
-@pytest.mark.parametrize("name", FLOP_CONFIGS)
+@pytest.mark.parametrize("name", COVERING)  # every option the FLOP formula reads, and attention's
 @pytest.mark.parametrize("T", [8, 32])
 def test_flops_per_token_matches_flop_counter(name, T):
     # The explicit attention path does its matmuls with aten ops FlopCounterMode counts (it does
     # not count PyTorch's fused CPU SDPA kernel).
-    model = tiny(**{**FLOP_CONFIGS[name], "attn_impl": "explicit"}).train()
+    model = tiny(**{**VARIANTS[name], "attn_impl": "explicit"}).train()
     B = 2
     x = ids(B=B, T=T)
     with FlopCounterMode(display=False) as fc:
@@ -457,19 +441,6 @@ def test_int32_ids_and_loss_matches_cross_entropy():
 # --------------------------------------------------------------------------- variants train
 
 
-VARIANTS = {
-    "gpt2": {},
-    "rmsnorm": dict(norm="rmsnorm"),
-    "swiglu": dict(mlp="swiglu"),
-    "rope": dict(pos_emb="rope"),
-    "gqa": dict(n_kv_head=2),
-    "mqa": dict(n_kv_head=1),
-    "postnorm": dict(prenorm=False),
-    "window": dict(window_size=4),
-    "llama": LLAMA_TINY,
-}
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_trains(name):
     model = tiny(**VARIANTS[name]).train()
@@ -502,14 +473,6 @@ def test_dropout_only_in_training():
 # --------------------------------------------------------------------------- KV caches
 
 
-CACHE_CONFIGS = {
-    "gpt2": {},
-    "llama": LLAMA_TINY,
-    "llama_window": {**LLAMA_TINY, "window_size": 6},
-    "gpt2_window": dict(window_size=5),
-}
-
-
 def make_cache(kind: str, model: GPT, B: int):
     c = model.config
     if kind == "concat":
@@ -519,15 +482,17 @@ def make_cache(kind: str, model: GPT, B: int):
     return SlidingWindowKVCache(c.n_layer, c.window_size or 8)
 
 
-# A sliding-window cache forgets old keys, so it is exact only for a windowed model.
-CACHE_CASES = [(n, k) for n in CACHE_CONFIGS for k in ("concat", "static", "sliding")
-               if k != "sliding" or "window_size" in CACHE_CONFIGS[n]]
+# tests/test_kvcache.py runs every variant through every cache; here the plain and the Llama model,
+# each with and without a window, in one chunked prefill. A sliding-window cache forgets old keys, so
+# it is exact only for a windowed model.
+CACHE_VARIANTS = ["gpt2", "window", "llama", "llama_window"]
+CACHE_CASES = [(n, k) for n in CACHE_VARIANTS for k in ("concat", "static", "sliding")
+               if k != "sliding" or n in WINDOWED]
 
 
 @pytest.mark.parametrize("name,kind", CACHE_CASES)
 def test_kv_cache_prefill_and_decode_equal_full_forward(name, kind):
-    cfg = CACHE_CONFIGS[name]
-    model = tiny(**cfg)
+    model = tiny(**VARIANTS[name])
     x = ids(B=2, T=24)
     full = model(x)[0]
     cache = make_cache(kind, model, B=2)
@@ -539,9 +504,9 @@ def test_kv_cache_prefill_and_decode_equal_full_forward(name, kind):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", COVERING)
 def test_kv_cache_crop_then_continue(name):
-    model = tiny(**CACHE_CONFIGS[name])
+    model = tiny(**VARIANTS[name])
     x = ids(B=1, T=20)
     full = model(x)[0]
     cache = StaticKVCache.for_model(model, 1)
@@ -555,9 +520,9 @@ def test_kv_cache_crop_then_continue(name):
 # --------------------------------------------------------------------------- from_state_dict
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", COVERING)
 def test_from_state_dict_skips_init_and_keeps_tying(name):
-    src = tiny(**CACHE_CONFIGS[name])
+    src = tiny(**VARIANTS[name])
     sd = {k: v.clone() for k, v in src.state_dict().items()}
     if src.config.tie_weights:
         sd.pop("lm_head.weight")
