@@ -168,7 +168,7 @@ def _candidates(logits: Tensor, running: Tensor, running_scores: Tensor, cur: in
     tok = topk_idx % V
     cand = torch.take_along_dim(running, src_beam[:, :, None], dim=1)  # (B, K, total)
     cand[:, :, cur] = tok
-    hits = torch.full((B, K), cur + 1 >= total, dtype=torch.bool, device=logits.device)
+    hits = torch.full((B, K), cur + 1 >= total, dtype=torch.bool, device=running.device)
     if eos is not None:
         hits = hits | torch.isin(tok, eos)
     return topk_lp, src_beam, cand, hits

@@ -42,7 +42,7 @@ import torch.nn as nn
 from ..data import get_batch
 from ..files import fsync_path, remove_stale_temps
 from ..model import GPT
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distill import distillation_loss, load_teacher
 from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
@@ -51,7 +51,7 @@ from .metrics import TrainBar, TrainLog, append_jsonl, plot_metrics, reaches_tar
 from .rng import rng_state
 from .run_folder import RunFolder
 from .schedule import lr_at
-from .setup import (check_resumable, load_data, make_optimizer, restore_streams, rows_to_resume, setup_device,
+from .setup import (load_data, load_to_resume, make_optimizer, restore_streams, rows_to_resume, setup_device,
                     wrap_model)
 from .signals import StopSignals, TrainingInterrupted, interruption
 
@@ -130,14 +130,9 @@ class Trainer:
 
     def _resume(self) -> None:
         """Load ``out_dir/ckpt`` (if there is one): weights, optimiser, step, sums, RNG streams, logs."""
-        try:
-            resolve_checkpoint(self.ckpt_dir)
-        except ValueError:
-            return  # nothing to resume from: start fresh
-        _, _, state = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+        state = load_to_resume(self.ckpt_dir, self.model, self.optimizer, self.cfg)
         if state is None:
-            raise ValueError(f"{self.ckpt_dir} holds no train_state.json; it cannot be resumed")
-        check_resumable(state.get("config", {}), self.cfg, self.ckpt_dir)
+            return  # nothing to resume from: start fresh
         self.step = int(state["step"])
         self.elapsed_before = float(state["elapsed_s"])
         self._loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float32, device=self.device)

@@ -9,7 +9,8 @@ processes (:class:`~gptlab.train.distributed.DistInfo`) and return what the loop
   dtype training computes in (:func:`gptlab.device.autocast_dtype`);
 * :func:`make_optimizer`: AdamW with weight decay on matrices only, fused on CUDA;
 * :func:`wrap_model`: the model as the steps run it (``torch.compile``, DDP);
-* on resume, :func:`check_resumable` (the checkpoint's run drew the same batches),
+* on resume, :func:`load_to_resume` (the checkpoint's weights and optimiser state, its training
+  state), :func:`check_resumable` (the checkpoint's run drew the same batches),
   :func:`restore_streams` (every random stream, or reseeded ones with another process count) and
   :func:`rows_to_resume` (a log's rows up to the checkpoint's step).
 """
@@ -25,13 +26,14 @@ import torch.nn as nn
 
 from ..data import CharData, prepare_char_data
 from ..device import autocast_dtype, pick_device
+from .checkpoint import load_checkpoint, resolve_checkpoint
 from .config import TrainConfig
 from .distributed import DistInfo
 from .metrics import read_jsonl_torn
 from .rng import set_rng_state
 
-__all__ = ["RESUME_FIELDS", "load_data", "setup_device", "make_optimizer", "wrap_model", "check_resumable",
-           "restore_streams", "rows_to_resume"]
+__all__ = ["RESUME_FIELDS", "load_data", "setup_device", "make_optimizer", "wrap_model", "load_to_resume",
+           "check_resumable", "restore_streams", "rows_to_resume"]
 
 RESUME_FIELDS = ("batch_size", "grad_accum", "seed")
 """Besides the model, what a resumed run must share with its checkpoint's."""
@@ -87,6 +89,22 @@ def wrap_model(model: nn.Module, cfg: TrainConfig, dist: DistInfo, device: torch
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None)
     return model
+
+
+def load_to_resume(ckpt_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer,
+                   cfg: TrainConfig) -> dict | None:
+    """Load the checkpoint in ``ckpt_dir`` into ``model`` and ``optimizer`` and return its training
+    state (``train_state.json``), checked against ``cfg`` (:func:`check_resumable`); None if there
+    is no checkpoint (a fresh start)."""
+    try:
+        resolve_checkpoint(ckpt_dir)
+    except ValueError:
+        return None
+    _, _, state = load_checkpoint(ckpt_dir, model, optimizer)
+    if state is None:
+        raise ValueError(f"{ckpt_dir} holds no train_state.json; it cannot be resumed")
+    check_resumable(state.get("config", {}), cfg, ckpt_dir)
+    return state
 
 
 def check_resumable(saved: dict, cfg: TrainConfig, ckpt_dir: Path) -> None:
