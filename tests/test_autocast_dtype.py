@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import gptlab.device
-import gptlab.train.loop
+import gptlab.train.setup
 from gptlab.device import autocast_dtype, cuda_bf16_native, pick_device
 
 GPUS = {"T4": (7, 5), "V100": (7, 0), "A100": (8, 0), "L4": (8, 9), "H100": (9, 0)}
@@ -114,7 +114,7 @@ def test_the_trainer_takes_its_dtype_from_autocast_dtype(monkeypatch, tmp_path):
         asked.append((torch.device(device).type, dtype))
         return torch.float32
 
-    monkeypatch.setattr(gptlab.train.loop, "autocast_dtype", spy)
+    monkeypatch.setattr(gptlab.train.setup, "autocast_dtype", spy)
     n = torch.get_num_threads()
     try:
         t = Trainer(get_recipe("tiny", device="cpu", max_steps=1, progress=False, num_threads=1, save=False, plot=False),

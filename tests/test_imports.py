@@ -132,8 +132,8 @@ def test_only_the_entry_point_imports_the_command_line():
 
 # gptlab.train's modules in the data's order: each imports only those before it (and the package's
 # modules outside gptlab.train); the package's __init__ re-exports. The command is in gptlab/cli.py.
-TRAIN_ORDER = ["config", "schedule", "rng", "distributed", "evaluation", "metrics", "checkpoint", "run_folder",
-               "distill", "loop"]
+TRAIN_ORDER = ["config", "schedule", "rng", "distributed", "signals", "evaluation", "metrics", "checkpoint",
+               "run_folder", "setup", "distill", "loop"]
 
 
 def test_train_modules_are_all_in_the_order():

@@ -169,10 +169,13 @@ def _steps(
             return
 
 
-def _decoding(model, idx: Tensor, config: GenerationConfig,
-              attention_mask: Tensor | None, generator: torch.Generator | None) -> tuple[Iterator[Tensor], Tensor]:
-    """Check a call of :func:`generate` / :func:`stream` against the model; return the decode loop
-    and the output buffer (B, T + max_new_tokens), the prompt in its first T columns."""
+def _decoding(model, idx: Tensor, max_new_tokens: int | None, config: GenerationConfig | None, settings: dict,
+              attention_mask: Tensor | None,
+              generator: torch.Generator | None) -> tuple[GenerationConfig, Iterator[Tensor], Tensor]:
+    """Read and check a call of :func:`generate` / :func:`stream` (their arguments) against the
+    model; return its config, the decode loop and the output buffer (B, T + max_new_tokens), the
+    prompt in its first T columns."""
+    config = GenerationConfig.build(config, max_new_tokens, **settings)
     if not hasattr(model, "config") or not callable(model):
         raise TypeError(f"model must be a gptlab GPT, got {type(model).__name__}")
     n = config.needs_max_new_tokens()
@@ -186,27 +189,19 @@ def _decoding(model, idx: Tensor, config: GenerationConfig,
     B, T = idx.shape
     out = torch.empty(B, T + n, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    return _steps(model, out, T, config, generator, mask), out
+    return config, _steps(model, out, T, config, generator, mask), out
 
 
-def stream(
-    model,
-    idx: Tensor,
-    max_new_tokens: int | None = None,
-    config: GenerationConfig | None = None,
-    *,
-    generator: torch.Generator | None = None,
-    attention_mask: Tensor | None = None,
-    **settings: Any,
-) -> Iterator[Tensor]:
+def stream(model, idx: Tensor, max_new_tokens: int | None = None, config: GenerationConfig | None = None, *,
+           generator: torch.Generator | None = None, attention_mask: Tensor | None = None,
+           **settings: Any) -> Iterator[Tensor]:
     """Like :func:`generate` (same arguments), but yield each step's new tokens (B, 1) int64 as
     soon as they exist.
 
     Stops after ``max_new_tokens`` steps, or once every row has emitted ``eos_token_id``. The
     arguments are checked when ``stream`` is called, not at the first ``next()``.
     """
-    config = GenerationConfig.build(config, max_new_tokens, **settings)
-    steps, _ = _decoding(model, idx, config, attention_mask, generator)
+    config, steps, _ = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
     return _stream_steps(model, steps, config.fast, config.max_new_tokens)
 
 
@@ -227,16 +222,9 @@ def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int) -> Iterato
             yield tok.clone()
 
 
-def generate(
-    model,
-    idx: Tensor,
-    max_new_tokens: int | None = None,
-    config: GenerationConfig | None = None,
-    *,
-    generator: torch.Generator | None = None,
-    attention_mask: Tensor | None = None,
-    **settings: Any,
-) -> Tensor:
+def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: GenerationConfig | None = None, *,
+             generator: torch.Generator | None = None, attention_mask: Tensor | None = None,
+             **settings: Any) -> Tensor:
     """Continue each prompt by up to ``max_new_tokens`` tokens: idx (B, T) int64 -> ids (B, T + n).
 
     Args:
@@ -275,8 +263,7 @@ def generate(
     Logits holding NaN or only ``-inf`` (a diverged checkpoint) raise ``ValueError`` rather than
     produce token 0.
     """
-    config = GenerationConfig.build(config, max_new_tokens, **settings)
-    steps, out = _decoding(model, idx, config, attention_mask, generator)
+    config, steps, out = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
     n = 0
     with EvalMode(model), torch.inference_mode(), fast_path(model, config.fast, config.max_new_tokens):
         for _ in steps:

@@ -32,7 +32,8 @@ tokens per target forward pass is ``(1 - alpha^(g+1)) / (1 - alpha)``
 from __future__ import annotations
 
 import math
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -238,13 +239,8 @@ def speculative_step(
     return torch.cat([draft_tokens[:k], token.to(draft_tokens.dtype)]), k
 
 
-def verify_draft(
-    draft_tokens: Tensor,
-    q: Tensor | None,
-    p: Tensor,
-    *,
-    generator: torch.Generator | None = None,
-) -> tuple[int, Tensor]:
+def verify_draft(draft_tokens: Tensor, q: Tensor | None, p: Tensor, *,
+                 generator: torch.Generator | None = None) -> tuple[int, Tensor]:
     """:func:`speculative_step` returning ``(k, token)``: the number of accepted guesses and the
     target's own token (0-d). draft_tokens (g,), q (g, V) or None (greedy), p (g + 1, V)."""
     tokens, k = speculative_step(p, q, draft_tokens, generator)
@@ -324,84 +320,110 @@ def speculative_generate(
         ``(ids, stats)``: ids (1, T + max_new_tokens), the prompt followed by the new tokens, and a
         :class:`SpeculativeStats`. Both models are put in eval mode for the call and restored after.
     """
+    config = _build_config(config, max_new_tokens, settings)
+    max_new_tokens = _check_inputs(target, draft, idx, config)
+    device = next(target.parameters()).device
+    T0 = idx.shape[1]
+    seq = torch.empty(T0 + max_new_tokens, dtype=torch.long, device=device)  # prompt, then accepted tokens
+    seq[:T0] = idx[0].to(device=device, dtype=torch.long)
+    stats = SpeculativeStats(num_draft_tokens=config.num_draft_tokens)
+    if max_new_tokens == 0:
+        return seq[None], stats
+    with _decode_mode(target, draft, config.fast, max_new_tokens):
+        _rounds(target, draft, seq, T0, config, generator, stats)
+    return seq[None], stats
+
+
+def _build_config(config: GenerationConfig | None, max_new_tokens: int | None, settings: dict) -> GenerationConfig:
+    """:meth:`GenerationConfig.build`, a non-number raising ``ValueError`` as any other bad setting here."""
     try:
-        config = GenerationConfig.build(config, max_new_tokens, **settings)
+        return GenerationConfig.build(config, max_new_tokens, **settings)
     except TypeError as e:  # a non-number: the same error type as any other bad setting here
         if str(e).startswith("unknown decoding setting"):
             raise
         raise ValueError(str(e)) from None
-    max_new_tokens = _check_inputs(target, draft, idx, config)
-    num_draft_tokens = config.num_draft_tokens
+
+
+@contextmanager
+def _decode_mode(target, draft, fast: bool, max_new_tokens: int) -> Iterator[None]:
+    """For the call: both models in eval mode, and with ``fast`` their decode products on packed
+    weights (:func:`gptlab.fast.cpu.pack_for_decoding`); the models are their own again after."""
+    was_training = [m for m in {id(target): target, id(draft): draft}.values() if m.training]
+    for m in was_training:  # no dropout while decoding (checking first: .eval() walks every module)
+        m.eval()
+    packs = ExitStack()
+    try:
+        if fast:  # for the call: the originals are back in the finally clause
+            packs.enter_context(pack_for_decoding(target, max_new_tokens))
+            packs.enter_context(pack_for_decoding(draft, max_new_tokens))
+        yield
+    finally:
+        packs.close()
+        for m in was_training:
+            m.train()
+
+
+def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, generator: torch.Generator | None,
+            stats: SpeculativeStats) -> None:
+    """Fill ``seq`` (the prompt in its first ``n`` slots) round by round: the draft guesses, the
+    target judges all guesses in one pass (:func:`speculative_step`), both caches roll back."""
+    end = seq.shape[0]
     sampling = config.sampling
     greedy = sampling.greedy
 
     def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
         return torch.softmax(sampling.process(logits.float()), dim=-1)
 
-    device = next(target.parameters()).device
-    T0 = idx.shape[1]
-    end = T0 + max_new_tokens
-    seq = torch.empty(end, dtype=torch.long, device=device)  # prompt, then accepted tokens
-    seq[:T0] = idx[0].to(device=device, dtype=torch.long)
-    stats = SpeculativeStats(num_draft_tokens=num_draft_tokens)
-    if max_new_tokens == 0:
-        return seq[None], stats
+    # Invariant at the top of each round, with n tokens in seq: the target's cache holds
+    # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
+    tcache = StaticKVCache.for_model(target, 1, end)
+    dcache = StaticKVCache.for_model(draft, 1, end)
+    if n > 1:  # prefill everything but the last prompt token, which opens round one
+        target.decode(seq[None, : n - 1], tcache)
+        draft.decode(seq[None, : n - 1], dcache)
+        stats.target_forwards += 1
+        stats.draft_forwards += 1
+    while n < end:
+        g = min(config.num_draft_tokens, end - n - 1)  # never draft past max_new_tokens
+        # 1. the draft guesses g tokens, one forward pass each
+        draft_tokens, qs = _guesses(draft, dcache, seq[None, dcache.length : n], g, None if greedy else probs,
+                                    generator, stats)
+        # 2. the target scores the last token and all g guesses in one forward pass
+        cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
+        tlogits = target.decode(cand, tcache, last_only=False)[0]  # (g+1, V)
+        stats.target_forwards += 1
+        # 3. keep the agreed prefix, add one target token
+        if greedy:
+            tokens, k = speculative_step(tlogits, None, draft_tokens)
+        else:
+            q_all = torch.cat(qs) if qs else tlogits.new_empty(0, tlogits.shape[-1])  # (g, V)
+            tokens, k = speculative_step(probs(tlogits), q_all, draft_tokens, generator)
+        seq[n : n + k + 1] = tokens
+        n += k + 1
+        stats.drafted.append(g)
+        stats.accepted.append(k)
+        stats.new_tokens += k + 1
+        # 4. roll both caches back to seq[:n-1]; rejected slots are overwritten later
+        tcache.crop(n - 1)
+        dcache.crop(n - 1)
 
-    was_training = [m for m in {id(target): target, id(draft): draft}.values() if m.training]
-    for m in was_training:  # no dropout while decoding (checking first: .eval() walks every module)
-        m.eval()
-    packs = ExitStack()
-    try:
-        if config.fast:  # for the call: the originals are back in the finally clause
-            packs.enter_context(pack_for_decoding(target, max_new_tokens))
-            packs.enter_context(pack_for_decoding(draft, max_new_tokens))
-        # Invariant at the top of each round, with n tokens in seq: the target's cache holds
-        # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
-        tcache = StaticKVCache.for_model(target, 1, end)
-        dcache = StaticKVCache.for_model(draft, 1, end)
-        n = T0
-        if n > 1:  # prefill everything but the last prompt token, which opens round one
-            target.decode(seq[None, : n - 1], tcache)
-            draft.decode(seq[None, : n - 1], dcache)
-            stats.target_forwards += 1
-            stats.draft_forwards += 1
-        while n < end:
-            g = min(num_draft_tokens, end - n - 1)  # never draft past max_new_tokens
-            # 1. the draft guesses g tokens, one forward pass each
-            guesses, qs = [], []
-            x = seq[None, dcache.length : n]  # what the draft has not seen yet (1 or 2 tokens)
-            for _ in range(g):
-                logits = draft.decode(x, dcache)  # (1, V)
-                stats.draft_forwards += 1
-                if greedy:
-                    tok = logits.argmax(dim=-1)  # (1,)
-                else:
-                    q = probs(logits)
-                    qs.append(q)
-                    tok = _multinomial(q, generator)
-                guesses.append(tok)
-                x = tok.view(1, 1)
-            draft_tokens = torch.cat(guesses) if guesses else seq.new_empty(0)  # (g,)
-            # 2. the target scores the last token and all g guesses in one forward pass
-            cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
-            tlogits = target.decode(cand, tcache, last_only=False)[0]  # (g+1, V)
-            stats.target_forwards += 1
-            # 3. keep the agreed prefix, add one target token
-            if greedy:
-                tokens, k = speculative_step(tlogits, None, draft_tokens)
-            else:
-                q_all = torch.cat(qs) if qs else tlogits.new_empty(0, tlogits.shape[-1])  # (g, V)
-                tokens, k = speculative_step(probs(tlogits), q_all, draft_tokens, generator)
-            seq[n : n + k + 1] = tokens
-            n += k + 1
-            stats.drafted.append(g)
-            stats.accepted.append(k)
-            stats.new_tokens += k + 1
-            # 4. roll both caches back to seq[:n-1]; rejected slots are overwritten later
-            tcache.crop(n - 1)
-            dcache.crop(n - 1)
-    finally:
-        packs.close()
-        for m in was_training:
-            m.train()
-    return seq[None], stats
+
+def _guesses(draft, cache: StaticKVCache, x: Tensor, g: int, probs: Callable[[Tensor], Tensor] | None,
+             generator: torch.Generator | None, stats: SpeculativeStats) -> tuple[Tensor, list[Tensor]]:
+    """The draft's ``g`` guesses (g,) after ``x`` (1, t), what its ``cache`` has not seen yet, one
+    forward pass each: arg-maxes without ``probs`` (greedy), else draws from ``probs(logits)``,
+    returned too (each (1, V))."""
+    guesses, qs = [], []
+    for _ in range(g):
+        logits = draft.decode(x, cache)  # (1, V)
+        stats.draft_forwards += 1
+        if probs is None:
+            tok = logits.argmax(dim=-1)  # (1,)
+        else:
+            q = probs(logits)
+            qs.append(q)
+            tok = _multinomial(q, generator)
+        guesses.append(tok)
+        x = tok.view(1, 1)
+    draft_tokens = torch.cat(guesses) if guesses else x.new_empty(0)  # (g,)
+    return draft_tokens, qs

@@ -11,10 +11,12 @@ The package, in the order its modules import each other (ARCHITECTURE.md, "Logit
 * :mod:`~gptlab.train.schedule`: :func:`lr_at`, warmup then cosine decay;
 * :mod:`~gptlab.train.rng`, :mod:`~gptlab.train.distributed`: the random streams a checkpoint
   keeps, and the processes under ``torchrun``;
+* :mod:`~gptlab.train.signals`: Ctrl-C and SIGTERM stop a run at the end of a step, saved;
 * :mod:`~gptlab.train.evaluation`, :mod:`~gptlab.train.metrics`: the validation loss, and the
-  run's ``metrics.jsonl``, ``train_log.jsonl`` and plot;
+  run's ``metrics.jsonl``, ``train_log.jsonl``, plot and summary;
 * :mod:`~gptlab.train.checkpoint`, :mod:`~gptlab.train.run_folder`: checkpoints on disk, and the
   rules of a run's folder;
+* :mod:`~gptlab.train.setup`: a run's data, device, optimiser, and a resume's checks;
 * :mod:`~gptlab.train.distill`: the distillation loss (a draft model taught by a teacher);
 * :mod:`~gptlab.train.loop`: :class:`Trainer` (set-up, step, evaluate, log) and :func:`train`;
 * the command, ``python -m gptlab train``, is in :mod:`gptlab.cli` with every other command's.

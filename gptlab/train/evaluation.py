@@ -21,9 +21,10 @@ import numpy as np
 import torch
 import torch.nn as nn
 
+from ..data import get_batch
 from .distributed import DistInfo, all_sum_
 
-__all__ = ["val_windows", "mean_cross_entropy", "sum_dtype"]
+__all__ = ["val_windows", "mean_cross_entropy", "fixed_batch_loss", "sum_dtype"]
 
 
 def val_windows(val: Any, block_size: int, max_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,3 +98,25 @@ def mean_cross_entropy(
     finally:
         model.train(was_training)
     return float(total.item() / y.numel())
+
+
+def fixed_batch_loss(
+    model: nn.Module,
+    data: Any,
+    *,
+    batch_size: int,
+    block_size: int,
+    seed: int,
+    device: torch.device | str,
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+) -> float:
+    """The loss of ``model`` on one fixed batch of ``data`` (the training loop's step-0 train
+    loss), drawn by a generator of its own seeded with ``seed`` (the batch streams are not
+    touched), in eval mode and without gradients; the model is left in train mode."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = get_batch(data, batch_size, block_size, generator=g, device=device)
+    model.eval()
+    with torch.no_grad(), autocast():
+        _, loss = model(x, y)
+    model.train()
+    return float(loss.item())

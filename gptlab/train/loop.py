@@ -5,9 +5,10 @@ Where this sits: text -> tokens -> batches (:mod:`gptlab.data`) -> model -> logi
 that sampling (:mod:`gptlab.generation`) reads back. :func:`train` is the short way;
 :class:`Trainer` is the loop, in four parts as in minGPT and nanoGPT:
 
-* **set-up** (:meth:`Trainer.__init__`): device and dtype, data, model, AdamW with weight decay on
-  matrices only (:meth:`gptlab.model.GPT.optimizer_groups`), or everything back from a checkpoint
-  (``resume``: the continuation is bit-for-bit the same run on CPU, logs included);
+* **set-up** (:meth:`Trainer.__init__`, its pieces in :mod:`gptlab.train.setup`): device and
+  dtype, data, model, AdamW with weight decay on matrices only
+  (:meth:`gptlab.model.GPT.optimizer_groups`), or everything back from a checkpoint (``resume``:
+  the continuation is bit-for-bit the same run on CPU, logs included);
 * **step** (:meth:`Trainer.accumulate_gradients`, :meth:`Trainer.optimizer_step`): gradient
   accumulation over ``grad_accum`` micro-batches, gradient-norm clipping, the learning rate of
   :func:`gptlab.train.schedule.lr_at`; the loss is the cross-entropy, or with a ``teacher`` the
@@ -15,77 +16,46 @@ that sampling (:mod:`gptlab.generation`) reads back. :func:`train` is the short 
 * **evaluate** (:meth:`Trainer.evaluate`): the validation loss on fixed windows
   (:mod:`gptlab.train.evaluation`), a ``metrics.jsonl`` row every ``eval_interval`` steps;
 * **log**: a ``train_log.jsonl`` row every ``log_interval`` steps (:class:`gptlab.train.metrics.TrainLog`),
-  a progress bar, ``loss.png`` at the end, the checkpoint ``OUT/ckpt``.
+  a progress bar, ``loss.png`` at the end, the checkpoint ``OUT/ckpt``, the summary
+  (:func:`gptlab.train.metrics.run_summary`).
 
 :meth:`Trainer.fit` runs them in a folder it holds: one run per folder, one process at a time
 (:mod:`gptlab.train.run_folder`); Ctrl-C (SIGINT) or SIGTERM stops at the end of the current
-step, saves a checkpoint there and raises :class:`TrainingInterrupted`. On CUDA: bf16 autocast
-where the GPU has bf16 natively, fp16 + GradScaler on older ones (:func:`gptlab.device.autocast_dtype`),
-TF32 matmuls, fused AdamW, optional ``torch.compile``; several GPUs (or CPU processes) with
-``torchrun`` (:mod:`gptlab.train.distributed`: rank 0 logs and saves, every rank draws its own batches).
+step, saves a checkpoint there and raises :class:`TrainingInterrupted` (:mod:`gptlab.train.signals`).
+On CUDA: bf16 autocast where the GPU has bf16 natively, fp16 + GradScaler on older ones
+(:func:`gptlab.device.autocast_dtype`), TF32 matmuls, fused AdamW, optional ``torch.compile``;
+several GPUs (or CPU processes) with ``torchrun`` (:mod:`gptlab.train.distributed`: rank 0 logs
+and saves, every rank draws its own batches).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from ..data import CharData, get_batch, prepare_char_data
-from ..device import autocast_dtype, pick_device
+from ..data import get_batch
 from ..files import fsync_path, remove_stale_temps
 from ..model import GPT
-from ..progress import progress_bar
-from .checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .distill import distillation_loss, load_teacher
-from .distributed import all_gather_objects, all_mean, all_sum_, barrier, close_distributed, setup_distributed
-from .evaluation import mean_cross_entropy, val_windows
-from .metrics import TrainLog, append_jsonl, plot_metrics, read_jsonl_torn, write_metrics
-from .rng import rng_state, set_rng_state
+from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
+from .evaluation import fixed_batch_loss, mean_cross_entropy, val_windows
+from .metrics import TrainBar, TrainLog, append_jsonl, plot_metrics, reaches_target, run_summary, write_metrics
+from .rng import rng_state
 from .run_folder import RunFolder
 from .schedule import lr_at
+from .setup import (load_data, load_to_resume, make_optimizer, restore_streams, rows_to_resume, setup_device,
+                    wrap_model)
+from .signals import StopSignals, TrainingInterrupted, interruption
 
 __all__ = ["Trainer", "train", "TrainingInterrupted"]
-
-RESUME_FIELDS = ("batch_size", "grad_accum", "seed")
-"""Besides the model, what a resumed run must share with its checkpoint's."""
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on SIGINT (Ctrl-C) or SIGTERM.
-
-    ``signum``: the signal; ``step``: the step reached; ``checkpoint``: the folder saved at that
-    step (None if nothing was saved); ``exit_code``: 128 + signum, what the command line returns.
-    """
-
-    def __init__(self, message: str, *, signum: int, step: int, checkpoint: Path | None):
-        super().__init__(message)
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.exit_code = 128 + int(signum)
-
-
-def load_data(cfg: TrainConfig) -> CharData:
-    """The run's data (:func:`gptlab.data.prepare_char_data`), with errors that say what to do."""
-    if cfg.data_dir is not None and not Path(cfg.data_dir).expanduser().is_dir():
-        raise FileNotFoundError(
-            f"data directory {str(Path(cfg.data_dir).expanduser())!r} does not exist; expected a folder holding "
-            f"train.bin, val.bin and meta.json (or leave data_dir unset to prepare the data in the cache; "
-            f"`python -m gptlab fetch` does that)")
-    try:
-        return prepare_char_data(cfg.data_dir)
-    except FileNotFoundError:
-        raise
-    except RuntimeError as e:  # AssetError: the corpus could not be fetched or verified
-        raise RuntimeError(f"could not get the {cfg.dataset!r} training data: {e}") from e
 
 
 class Trainer:
@@ -101,7 +71,7 @@ class Trainer:
     :meth:`fit` holds the folder's lock (``OUT/.gptlab-train.lock``) while it runs.
     """
 
-    # ---- set-up
+    # ---- set-up (the pieces: gptlab.train.setup)
 
     def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = False,
                  overwrite: bool = False):
@@ -114,7 +84,6 @@ class Trainer:
         self.log_path = self.out_dir / "train_log.jsonl"
         self.resume, self.overwrite = resume, overwrite
         self.folder = RunFolder(self.out_dir, resume=resume, overwrite=overwrite)  # its rules, lock, backup
-        self._signal: int | None = None  # SIGINT / SIGTERM received during fit
         self.dropped_bytes = 0  # torn last lines dropped from the logs on resume
         self.dist = setup_distributed(cfg.device)
         try:
@@ -128,7 +97,8 @@ class Trainer:
     def _setup(self, cfg: TrainConfig, resume: bool) -> None:
         """Device, data, model and optimiser, the loop's state (or the checkpoint's), the
         teacher, the model as trained (compiled, DDP) and the validation windows."""
-        self._setup_device(cfg)
+        self.device, self.dtype = setup_device(cfg, self.dist)
+        self.signals = StopSignals(lambda: self.step, self.dist, self.device)  # SIGINT / SIGTERM during fit
         self.data = load_data(cfg)
         self.tokenizer = self.data.tokenizer
         # Same initial weights on every rank (DDP also broadcasts rank 0's); then every rank gets
@@ -137,11 +107,7 @@ class Trainer:
         self.model = GPT(cfg.model_config(self.data.vocab_size)).to(self.device)
         torch.manual_seed(cfg.seed + 1 + self.dist.rank)
         self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * (self.dist.rank + 1))
-        fused = cfg.fused_adamw if cfg.fused_adamw is not None else self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            self.model.optimizer_groups(cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-            **({"fused": True} if fused else {}),
-        )
+        self.optimizer = make_optimizer(self.model, cfg, self.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=(self.dtype == torch.float16))
         self.step = 0
         self.elapsed_before = 0.0
@@ -156,46 +122,17 @@ class Trainer:
         self.teacher = (load_teacher(cfg.teacher, self.device, self.data.vocab_size, cfg.model.block_size)
                         if cfg.teacher is not None else None)
         self.raw_model = self.model
-        self.train_model = self._wrap(self.model)
+        self.train_model = wrap_model(self.model, cfg, self.dist, self.device)
         block = cfg.model.block_size
         self.val_x, self.val_y = val_windows(self.data.val, block, cfg.eval_tokens)
         self.val_x_whole, self.val_y_whole = (
             val_windows(self.data.val, block) if cfg.final_eval_whole_split else (self.val_x, self.val_y))
 
-    def _setup_device(self, cfg: TrainConfig) -> None:
-        """Threads, the device (this rank's GPU under torchrun) and the dtype training computes in."""
-        if cfg.num_threads is not None:
-            torch.set_num_threads(cfg.num_threads)
-        elif self.dist.enabled and not torch.cuda.is_available():
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.dist.world))
-        if self.dist.enabled and torch.cuda.is_available() and cfg.device in ("auto", "cuda"):
-            self.device = torch.device("cuda", self.dist.local_rank)
-        else:
-            self.device = pick_device(cfg.device)
-        self.dtype = autocast_dtype(self.device, cfg.dtype)  # bf16 / fp16 + GradScaler / fp32 by GPU
-        if self.device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        """The model as the steps run it: compiled with ``compile``, in DDP under torchrun."""
-        if self.cfg.compile:
-            model = torch.compile(model)
-        if self.dist.enabled:
-            model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-        return model
-
     def _resume(self) -> None:
         """Load ``out_dir/ckpt`` (if there is one): weights, optimiser, step, sums, RNG streams, logs."""
-        try:
-            resolve_checkpoint(self.ckpt_dir)
-        except ValueError:
-            return  # nothing to resume from: start fresh
-        _, _, state = load_checkpoint(self.ckpt_dir, self.model, self.optimizer)
+        state = load_to_resume(self.ckpt_dir, self.model, self.optimizer, self.cfg)
         if state is None:
-            raise ValueError(f"{self.ckpt_dir} holds no train_state.json; it cannot be resumed")
-        self._check_resumable(state.get("config", {}))
+            return  # nothing to resume from: start fresh
         self.step = int(state["step"])
         self.elapsed_before = float(state["elapsed_s"])
         self._loss_sum = torch.tensor(float(state["loss_sum"]), dtype=torch.float32, device=self.device)
@@ -204,44 +141,11 @@ class Trainer:
             self.train_log.load_state_dict(state["log"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        ranks = state.get("rng_ranks")
-        if ranks is not None and len(ranks) == self.dist.world:
-            set_rng_state(ranks[self.dist.rank], self.generator)
-        else:
-            if self.dist.world > 1:
-                print(f"warning: resuming with {self.dist.world} processes from a {len(ranks or [])}-process "
-                      "checkpoint; batch streams are reseeded", file=sys.stderr)
-            set_rng_state(state["rng"], None)
-            torch.manual_seed(self.cfg.seed + 1 + self.step + self.dist.rank)
-            self.generator.manual_seed(self.cfg.seed + self.step + 1_000_003 * (self.dist.rank + 1))
+        restore_streams(state, self.dist, self.generator, self.cfg.seed, self.step)
         # rows past the checkpoint's step (written after its last save) are dropped: fit rewrites both files
-        self.rows = [r for r in self._read_log(self.metrics_path) if r["step"] <= self.step]
-        self.log_rows = [r for r in self._read_log(self.log_path) if r["step"] <= self.step]
-
-    def _check_resumable(self, saved: dict) -> None:
-        """Refuse a checkpoint whose run (its saved config, either dict form) drew other batches
-        than this one would: the continuation would not be that run. (Its model is checked by
-        :func:`~gptlab.train.checkpoint.load_checkpoint`, against this run's.)"""
-        try:
-            then = TrainConfig.from_dict(saved)
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"cannot resume {self.ckpt_dir}: its saved config is not one: {e}") from e
-        for k in RESUME_FIELDS:
-            was, now = getattr(then, k), getattr(self.cfg, k)
-            if was != now:
-                raise ValueError(f"cannot resume {self.ckpt_dir}: it was trained with {k}={was!r}, "
-                                 f"this run has {k}={now!r}")
-
-    def _read_log(self, path: Path) -> list[dict]:
-        """A log's rows for resuming; a last line torn by a crash mid-write is dropped with a warning."""
-        if not path.exists():
-            return []
-        rows, dropped = read_jsonl_torn(path)
-        if dropped:
-            self.dropped_bytes += dropped
-            print(f"warning: {path}: dropped its torn last line ({dropped} bytes: a write cut short by a crash); "
-                  f"resuming from the checkpoint at step {self.step}", file=sys.stderr)
-        return rows
+        self.rows, torn = rows_to_resume(self.metrics_path, self.step)
+        self.log_rows, torn_log = rows_to_resume(self.log_path, self.step)
+        self.dropped_bytes += torn + torn_log
 
     # ---- the checkpoint
 
@@ -356,27 +260,18 @@ class Trainer:
         return mean_cross_entropy(self.raw_model, x, y, batch_size=self.cfg.eval_batch_size, device=self.device,
                                   autocast=self._autocast, dist=self.dist)
 
-    def _initial_train_loss(self) -> float:
-        """Loss on one fixed training batch (for the step-0 row), without touching the batch RNG."""
-        g = torch.Generator().manual_seed(self.cfg.seed + 7)
-        x, y = get_batch(self.data.train, self.cfg.eval_batch_size, self.cfg.model.block_size, generator=g,
-                         device=self.device)
-        model = self.raw_model
-        model.eval()
-        with torch.no_grad(), self._autocast():
-            _, loss = model(x, y)
-        model.train()
-        return float(loss.item())
-
     def _log_row(self) -> dict:
-        """Evaluate and append a ``metrics.jsonl`` row (train loss: mean since the previous one)."""
+        """Evaluate and append a ``metrics.jsonl`` row (train loss: mean since the previous one;
+        at step 0 the loss of one fixed training batch, the batch streams untouched)."""
         t_eval = time.perf_counter()
         whole = self.cfg.final_eval_whole_split and self.step == self.cfg.max_steps
         val = self.evaluate(whole_split=whole)
         if self._loss_n:
             train_loss = float(all_mean(self._loss_sum, self.dist).item()) / self._loss_n
         else:
-            train_loss = self._initial_train_loss()
+            train_loss = fixed_batch_loss(self.raw_model, self.data.train, batch_size=self.cfg.eval_batch_size,
+                                          block_size=self.cfg.model.block_size, seed=self.cfg.seed + 7,
+                                          device=self.device, autocast=self._autocast)
         self._loss_sum.zero_()
         self._loss_n = 0
         self._eval_s += time.perf_counter() - t_eval
@@ -397,9 +292,8 @@ class Trainer:
 
     def _checks_target(self, row: dict) -> bool:
         """Whether ``row``'s val loss counts for ``target_loss`` (and is below it)."""
-        if self.cfg.target_loss is None or row["val_loss"] > self.cfg.target_loss:
-            return False
-        return not self.cfg.final_eval_whole_split or row["val_tokens"] == self.val_y_whole.numel()
+        whole = self.val_y_whole.numel() if self.cfg.final_eval_whole_split else None
+        return reaches_target(row, self.cfg.target_loss, whole)
 
     # ---- log
 
@@ -419,42 +313,16 @@ class Trainer:
             append_jsonl(self.log_path, row)
         return row
 
-    def _progress_bar(self):
-        """The progress bar, on rank 0 with ``progress``: a widget in a notebook, plain text with
-        ``GPTLAB_PROGRESS=text`` (the book build); None otherwise."""
-        if not (self.cfg.progress and self.dist.master):
-            return None
-        return progress_bar(total=self.cfg.max_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True)
-
-    def _summary(self, elapsed: float, reached: dict | None) -> dict:
-        first = next((r for r in self.rows if self._checks_target(r)), None)
-        last = self.rows[-1] if self.rows else {}
-        # best over the evaluations that scored the same tokens as the last one
-        same = [r["val_loss"] for r in self.rows if r.get("val_tokens") == last.get("val_tokens")]
-        train_time = elapsed - self._eval_s
-        return {
-            "step": self.step,
-            "max_steps": self.cfg.max_steps,
-            "val_loss": last.get("val_loss"),
-            "train_loss": last.get("train_loss"),
-            "best_val_loss": min(same, default=None),
-            "val_tokens": last.get("val_tokens"),
-            "evaluations": len(self.rows),
-            "elapsed_s": elapsed,
-            "eval_s": self._eval_s,
-            "tokens": self.tokens_seen,
-            "tokens_per_s": self.tokens_seen / train_time if train_time > 0 and self.elapsed_before == 0 else None,
-            "target_loss": self.cfg.target_loss,
-            "time_to_target_s": first["elapsed_s"] if first else None,
-            "step_at_target": first["step"] if first else None,
-            "params": self.raw_model.num_params(),
-            "flops_per_token": self.raw_model.flops_per_token(self.cfg.model.block_size, training=True),
-            "device": str(self.device),
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "world_size": self.dist.world,
-            "out_dir": str(self.out_dir),
-            "checkpoint": str(self.ckpt_dir) if self.cfg.save else None,
-        }
+    def _summary(self, elapsed: float) -> dict:
+        """The summary :meth:`fit` returns (:func:`gptlab.train.metrics.run_summary`)."""
+        cfg, model = self.cfg, self.raw_model
+        return run_summary(
+            self.rows, step=self.step, max_steps=cfg.max_steps, elapsed=elapsed, eval_s=self._eval_s,
+            tokens=self.tokens_seen, resumed=self.elapsed_before != 0, target_loss=cfg.target_loss,
+            counts=self._checks_target, params=model.num_params(),
+            flops_per_token=model.flops_per_token(cfg.model.block_size, training=True), device=str(self.device),
+            dtype=str(self.dtype).replace("torch.", ""), world_size=self.dist.world, out_dir=str(self.out_dir),
+            checkpoint=str(self.ckpt_dir) if cfg.save else None)
 
     # ---- the loop
 
@@ -462,28 +330,25 @@ class Trainer:
         """Train to ``cfg.max_steps`` (or stop after step ``until``, or once val <= target_loss),
         save the checkpoint and the plot, and return a summary dict.
 
-        Besides the evaluation rows (``self.rows``, ``metrics.jsonl``) it logs, every
-        ``cfg.log_interval`` optimiser steps and at the last step, a row (``self.log_rows``,
-        ``train_log.jsonl``) about the steps since the previous row: ``train_loss`` (their mean
-        training loss, averaged over DDP processes), ``lr`` (the learning rate of the last of them),
-        ``grad_norm`` / ``grad_norm_max`` (mean / max over them of the total gradient norm before
-        clipping), ``clip_frac`` (the fraction of them whose norm exceeded ``grad_clip`` and was
-        scaled down to it; None without clipping), ``tokens`` and ``elapsed_s`` (evaluation
-        included) at that step. An interrupted run (``until``) keeps its partial sums in the
+        It logs an evaluation row (``self.rows``, ``metrics.jsonl``) every ``cfg.eval_interval``
+        steps and a row about the steps since the previous one (``self.log_rows``,
+        ``train_log.jsonl``: mean training loss over DDP processes, learning rate, gradient norms,
+        clipped fraction) every ``cfg.log_interval`` steps and at the last; their fields are in
+        :mod:`gptlab.train.metrics`. An interrupted run (``until``) keeps its partial sums in the
         checkpoint, so a resumed run writes the same rows as an uninterrupted one.
 
         While it runs it holds the folder's lock (:class:`~gptlab.files.LockError` if another
         process holds it) and answers SIGINT (Ctrl-C) and SIGTERM by finishing the current step,
         saving a checkpoint there (with ``save``) and raising :class:`TrainingInterrupted`;
         resuming from it continues exactly as the run would have. A second signal stops at once,
-        saving nothing more. If the run stops before its first checkpoint, the run that
-        ``overwrite`` replaced is put back.
+        saving nothing more (:mod:`gptlab.train.signals`). If the run stops before its first
+        checkpoint, the run that ``overwrite`` replaced is put back.
         """
         if until is not None and (not isinstance(until, int) or until < 1):
             raise ValueError(f"until must be a positive int (a step to stop after), got {until!r}")
         lock = self.folder.lock() if self.dist.master else None
         try:
-            with self._signals():  # from here a signal never cuts a file operation short
+            with self.signals.installed():  # from here a signal never cuts a file operation short
                 if self.dist.master:
                     self.folder.claim(self.step)
                 return self._fit(until)
@@ -502,21 +367,20 @@ class Trainer:
         start_step = self.step
         reached = self._begin()
         stop = min(self.cfg.max_steps, until) if until is not None else self.cfg.max_steps
-        bar = self._progress_bar()
+        bar = TrainBar(self.cfg.progress and self.dist.master, self.cfg.max_steps, self.step)
         interrupted = False
         try:
             while self.step < stop and reached is None:
-                if self._stop_requested():
+                if self.signals.requested(self.step, self.cfg.log_interval):
                     interrupted = True
                     break
                 lr, step_loss = self._train_step()
                 reached = self._after_step(lr, step_loss, stop, bar)
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         if interrupted:
             self._stop_for_signal(start_step)
-        return self._finish(reached)
+        return self._finish()
 
     def _begin(self) -> dict | None:
         """Before the first step: the logs rewritten up to this step, the clocks, the step-0
@@ -535,21 +399,16 @@ class Trainer:
                 return row
         return None
 
-    def _after_step(self, lr: float, step_loss: torch.Tensor, stop: int, bar: Any) -> dict | None:
+    def _after_step(self, lr: float, step_loss: torch.Tensor, stop: int, bar: TrainBar) -> dict | None:
         """What is due after a step: its log row, the bar, an evaluation, a checkpoint. Returns the
         evaluation's row if it reached ``target_loss`` (the run ends there)."""
         cfg, reached = self.cfg, None
         if self.step % cfg.log_interval == 0 or self.step == cfg.max_steps:
             self._train_log_row()
-        if bar is not None:
-            bar.update(1)
-            if self.step % 10 == 0 or self.step == stop:
-                bar.set_postfix(loss=f"{step_loss.item():.4f}", lr=f"{lr:.2e}", refresh=False)
+        bar.stepped(self.step, stop, step_loss, lr)
         if self.step % cfg.eval_interval == 0 or self.step == cfg.max_steps:
             row = self._log_row()
-            if bar is not None:
-                bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}",
-                                refresh=False)
+            bar.evaluated(row, lr)
             if self._checks_target(row):
                 reached = row
                 if self.train_log.n:  # the run ends here: log its last steps
@@ -558,7 +417,7 @@ class Trainer:
             self.save()
         return reached
 
-    def _finish(self, reached: dict | None) -> dict:
+    def _finish(self) -> dict:
         """After the last step: the checkpoint, the plot, the summary."""
         elapsed = self._elapsed()
         if self.cfg.save:
@@ -568,65 +427,17 @@ class Trainer:
         if self.dist.master and self.cfg.plot and self.rows:
             plot_metrics(self.rows, self.out_dir / "loss.png", title=f"{self.raw_model.num_params():,} parameters",
                          log_rows=self.log_rows, grad_clip=self.cfg.grad_clip)
-        return self._summary(elapsed, reached)
-
-    # ---- signals
-
-    @contextlib.contextmanager
-    def _signals(self):
-        """While training: SIGINT and SIGTERM ask to stop after the current step (a second one stops
-        at once). Only in the main thread (Python delivers signals there)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        self._signal = None
-
-        def handler(signum: int, frame: Any) -> None:
-            if self._signal is not None:
-                raise TrainingInterrupted(
-                    f"training stopped at once by a second {signal.Signals(signum).name} at step {self.step}; "
-                    f"nothing saved since the last checkpoint", signum=signum, step=self.step, checkpoint=None)
-            self._signal = signum
-
-        sigs = (signal.SIGINT, signal.SIGTERM)
-        before = {s: signal.getsignal(s) for s in sigs}
-        for s in sigs:
-            signal.signal(s, handler)
-        try:
-            yield
-        finally:
-            for s, h in before.items():
-                signal.signal(s, h if h is not None else signal.SIG_DFL)
-
-    def _stop_requested(self) -> bool:
-        """Whether a signal asked to stop. Under DDP: any process's, so that all stop at the same
-        step, asked every ``log_interval`` steps only (the exchange waits for the GPU)."""
-        flag = self._signal is not None
-        if self.dist.enabled:
-            if self.step % self.cfg.log_interval:
-                return False
-            t = torch.tensor(float(flag), device=self.device)
-            flag = bool(all_sum_(t, self.dist).item() > 0)
-            if flag and self._signal is None:
-                self._signal = int(signal.SIGINT)
-        return flag
+        return self._summary(elapsed)
 
     def _stop_for_signal(self, start_step: int) -> None:
-        """Save a checkpoint at this step (unless nothing was trained over a replaced run) and raise
-        :class:`TrainingInterrupted` saying where and how to resume."""
-        signum = int(self._signal or signal.SIGINT)
-        name = signal.Signals(signum).name
-        if self.overwrite and self.step == start_step:
-            raise TrainingInterrupted(
-                f"training stopped by {name} before its first step; nothing saved, and the earlier run of "
-                f"{self.out_dir} (if any) is put back", signum=signum, step=self.step, checkpoint=None)
-        if not self.cfg.save:
-            raise TrainingInterrupted(f"training stopped by {name} at step {self.step}; nothing saved (save=False)",
-                                      signum=signum, step=self.step, checkpoint=None)
-        self.save()
-        raise TrainingInterrupted(
-            f"training stopped by {name} at step {self.step}: checkpoint saved in {self.ckpt_dir}; resume with "
-            f"train(cfg, {str(self.out_dir)!r}, resume=True)", signum=signum, step=self.step, checkpoint=self.ckpt_dir)
+        """Save a checkpoint at this step (unless nothing was trained over a replaced run, or
+        ``save`` is off) and raise :class:`TrainingInterrupted` saying where and how to resume."""
+        first = self.overwrite and self.step == start_step
+        saving = self.cfg.save and not first
+        if saving:
+            self.save()
+        raise interruption(self.signals.signum, self.step, self.out_dir, self.ckpt_dir if saving else None,
+                           before_first_step=first)
 
     def close(self) -> None:
         """Leave the process group if this trainer created it."""

@@ -26,13 +26,15 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..files import atomic_path, atomic_write_text
+from ..progress import progress_bar
 
 __all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "read_jsonl_torn", "write_metrics",
-           "metrics_figure", "plot_metrics"]
+           "reaches_target", "run_summary", "TrainBar", "metrics_figure", "plot_metrics"]
 
 
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -165,6 +167,70 @@ class TrainLog:
         device = self.sums["loss_sum"].device
         self.sums = {k: torch.tensor(float(state[k]), dtype=torch.float32, device=device) for k in self.KEYS}
         self.n = int(state["n"])
+
+
+def reaches_target(row: dict, target_loss: float | None, whole_tokens: int | None = None) -> bool:
+    """Whether a ``metrics.jsonl`` row's val loss counts for ``target_loss`` and is at or below it;
+    with ``whole_tokens`` (``final_eval_whole_split``) only a row scored on that many tokens counts."""
+    if target_loss is None or row["val_loss"] > target_loss:
+        return False
+    return whole_tokens is None or row["val_tokens"] == whole_tokens
+
+
+def run_summary(rows: list[dict], *, step: int, max_steps: int, elapsed: float, eval_s: float, tokens: int,
+                resumed: bool, target_loss: float | None, counts: Callable[[dict], bool], **run: Any) -> dict:
+    """What :func:`gptlab.train.train` returns: the run's last and best evaluations (``rows``), its
+    clock, tokens and throughput (None for a resumed run: its clock started elsewhere), when it
+    first reached ``target_loss`` (the first row that ``counts``), then the facts ``run`` gives
+    (params, device, folders, ...), in that order."""
+    first = next((r for r in rows if counts(r)), None)
+    last = rows[-1] if rows else {}
+    # best over the evaluations that scored the same tokens as the last one
+    same = [r["val_loss"] for r in rows if r.get("val_tokens") == last.get("val_tokens")]
+    train_time = elapsed - eval_s
+    return {
+        "step": step,
+        "max_steps": max_steps,
+        "val_loss": last.get("val_loss"),
+        "train_loss": last.get("train_loss"),
+        "best_val_loss": min(same, default=None),
+        "val_tokens": last.get("val_tokens"),
+        "evaluations": len(rows),
+        "elapsed_s": elapsed,
+        "eval_s": eval_s,
+        "tokens": tokens,
+        "tokens_per_s": tokens / train_time if train_time > 0 and not resumed else None,
+        "target_loss": target_loss,
+        "time_to_target_s": first["elapsed_s"] if first else None,
+        "step_at_target": first["step"] if first else None,
+        **run,
+    }
+
+
+class TrainBar:
+    """A run's progress bar: shown on rank 0 with ``progress`` (a widget in a notebook, plain text
+    with ``GPTLAB_PROGRESS=text``, the book build), each method a no-op otherwise."""
+
+    def __init__(self, show: bool, total: int, initial: int):
+        self.bar = (progress_bar(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True)
+                    if show else None)
+
+    def stepped(self, step: int, stop: int, loss: torch.Tensor, lr: float) -> None:
+        """One step more; every 10 steps (and at ``stop``) its loss and learning rate."""
+        if self.bar is not None:
+            self.bar.update(1)
+            if step % 10 == 0 or step == stop:
+                self.bar.set_postfix(loss=f"{loss.item():.4f}", lr=f"{lr:.2e}", refresh=False)
+
+    def evaluated(self, row: dict, lr: float) -> None:
+        """An evaluation's ``metrics.jsonl`` row: its train and val loss."""
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{row['train_loss']:.4f}", val=f"{row['val_loss']:.4f}", lr=f"{lr:.2e}",
+                                 refresh=False)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def metrics_figure(rows: list[dict], log_rows: list[dict] | None = None, title: str | None = None,
