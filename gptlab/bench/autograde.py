@@ -98,6 +98,115 @@ def _fresh_gradebook(course: Path) -> None:
             q.unlink()
 
 
+def _note_times(results, cells: dict[str, float]) -> None:
+    """Keep in ``cells`` the longest time each test cell's verdict took (``assignment/grade_id``)."""
+    for r in results:
+        for nb, times in r["times"].items():
+            for gid, s in times.items():
+                if gid.startswith("test_"):
+                    key = f"{r['assignment']}/{gid}"
+                    cells[key] = max(cells.get(key, 0.0), s)
+
+
+def _timed(course, names: list[str], students: list[str], label: str, worker_counts: list[int],
+           timeout: int | None, fig: dict, cells: dict[str, float]):
+    """One fresh gradebook and one autograde run per worker count: yields (workers, seconds,
+    results) for each; stops early when a count gives other scores than the first."""
+    scores, runs = None, []
+    for w in worker_counts:
+        _fresh_gradebook(course.root)
+        load = os.getloadavg()
+        cpu0 = _cpu_seconds()
+        t0 = time.perf_counter()
+        res = autograde(course, names, workers=w, timeout=timeout, progress=False)
+        wall = time.perf_counter() - t0
+        cpu = _cpu_seconds() - cpu0
+        got = sorted((r["assignment"], r["student"], r["total"]) for r in res)
+        if scores is not None and got != scores:
+            print(f"gptlab bench autograde: error: {w} workers gave other scores than {worker_counts[0]}")
+            return
+        scores = got
+        _note_times(res, cells)
+        n = len(students) * len(names)
+        run = {"run": label, "students": len(students), "assignments": len(names), "submissions": n,
+               "workers": w, "seconds": wall, "per_submission_s": wall / n, "cpu_s": cpu,
+               "load_average_before": load, "load_average_after": os.getloadavg()}
+        if runs:
+            run["speedup_vs_workers_" + str(worker_counts[0])] = runs[0]["seconds"] / wall
+        runs.append(run)
+        fig["runs"].append(run)
+        print(f"{len(students)} student(s) x {len(names)} assignment(s), {w} worker(s): {wall:.1f} s "
+              f"({wall / n:.2f} s per submission, {cpu:.0f} CPU s)"
+              + (f", {runs[0]['seconds'] / wall:.2f}x {worker_counts[0]} worker(s)" if len(runs) > 1 else ""))
+        yield w, wall, res
+
+
+def _copy_course(src: Path, course_dir: Path) -> None:
+    """The throw-away course: ``src``'s nbgrader_config.py and solutions/ copied into ``course_dir``."""
+    course_dir.mkdir()
+    shutil.copy(src / "nbgrader_config.py", course_dir)
+    shutil.copytree(src / "solutions", course_dir / "solutions",
+                    ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+
+
+def _one_submission(course_dir: Path, assignments: list[str], worker_counts: list[int], timed, fig: dict) -> bool:
+    """The ``one_submission`` runs into ``fig``; False where a worker count gave other scores."""
+    _submit(course_dir, assignments, ["one"], 0)
+    done = 0
+    for w, wall, res in timed(assignments, ["one"], "one_submission"):
+        done += 1
+        fig[f"one_submission_workers_{w}_s"] = wall
+        if w == worker_counts[0]:
+            fig["one_submission_s"] = wall
+            fig["one_submission_per_assignment_s"] = {r["assignment"]: r["seconds"] for r in res}
+            fig["one_submission_scores"] = {r["assignment"]: r["total"] for r in res}
+            print("  (" + ", ".join(f"{a} {s:.1f} s" for a, s in fig["one_submission_per_assignment_s"].items())
+                  + ")")
+    if done < len(worker_counts):
+        return False
+    for w in worker_counts[1:]:
+        fig[f"one_submission_speedup_{w}_vs_{worker_counts[0]}"] = \
+            fig[f"one_submission_workers_{worker_counts[0]}_s"] / fig[f"one_submission_workers_{w}_s"]
+    return True
+
+
+def _class_runs(args, course_dir: Path, assignments: list[str], n_students: int, worker_counts: list[int],
+                timed, fig: dict) -> int | None:
+    """The ``class`` runs into ``fig``; the exit status where they cannot be done or compared."""
+    in_class = [a for a in args.class_assignments.split(",") if a.strip()] or assignments
+    unknown = [a for a in in_class if a not in assignments]
+    if unknown:
+        print(f"gptlab bench autograde: error: unknown assignment(s) {', '.join(unknown)}")
+        return 2
+    fig["class_assignments"] = in_class
+    students = [f"student{k:02d}" for k in range(n_students)]
+    if students:
+        _submit(course_dir, in_class, students, args.blank_every)
+        done = 0
+        for w, wall, _ in timed(in_class, students, "class"):
+            done += 1
+            fig[f"class_workers_{w}_s"] = wall
+        if done < len(worker_counts):
+            return 1
+        base = fig.get(f"class_workers_{worker_counts[0]}_s")
+        for w in worker_counts[1:]:
+            fig[f"speedup_{w}_vs_{worker_counts[0]}"] = base / fig[f"class_workers_{w}_s"]
+    return None
+
+
+def _report_test_cells(fig: dict, cells: dict[str, float], src: Path) -> None:
+    """The longest verdict of each test cell into ``fig``, and printed (with the declared limits)."""
+    fig["test_cells_max_s"] = dict(sorted(cells.items()))
+    fig["slowest_test_cell_s"] = max(cells.values()) if cells else None
+    fig["load_average_after"] = os.getloadavg()
+    limits = _declared_limits(src)
+    fig["test_cells_declared_limit_s"] = {k: limits[k] for k in fig["test_cells_max_s"] if k in limits}
+    print("longest trusted verdict of each test cell (s):")
+    for k, s in fig["test_cells_max_s"].items():
+        flag = f"   (declared limit {limits[k]:g} s)" if k in limits else ("   OVER 5 s" if s >= 5 else "")
+        print(f"  {k:60s} {s:6.2f}{flag}")
+
+
 def run(args) -> int:
     src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
     if not (src / "nbgrader_config.py").is_file() or not (src / "solutions").is_dir():
@@ -116,51 +225,9 @@ def run(args) -> int:
                  "workers": worker_counts, "runs": []}
     cells: dict[str, float] = {}
 
-    def note_times(results) -> None:
-        for r in results:
-            for nb, times in r["times"].items():
-                for gid, s in times.items():
-                    if gid.startswith("test_"):
-                        key = f"{r['assignment']}/{gid}"
-                        cells[key] = max(cells.get(key, 0.0), s)
-
-    def timed(course, names: list[str], students: list[str], label: str):
-        """One fresh gradebook and one autograde run per worker count: yields (workers, seconds,
-        results) for each; stops early when a count gives other scores than the first."""
-        scores, runs = None, []
-        for w in worker_counts:
-            _fresh_gradebook(course.root)
-            load = os.getloadavg()
-            cpu0 = _cpu_seconds()
-            t0 = time.perf_counter()
-            res = autograde(course, names, workers=w, timeout=args.timeout, progress=False)
-            wall = time.perf_counter() - t0
-            cpu = _cpu_seconds() - cpu0
-            got = sorted((r["assignment"], r["student"], r["total"]) for r in res)
-            if scores is not None and got != scores:
-                print(f"gptlab bench autograde: error: {w} workers gave other scores than {worker_counts[0]}")
-                return
-            scores = got
-            note_times(res)
-            n = len(students) * len(names)
-            run = {"run": label, "students": len(students), "assignments": len(names), "submissions": n,
-                   "workers": w, "seconds": wall, "per_submission_s": wall / n, "cpu_s": cpu,
-                   "load_average_before": load, "load_average_after": os.getloadavg()}
-            if runs:
-                run["speedup_vs_workers_" + str(worker_counts[0])] = runs[0]["seconds"] / wall
-            runs.append(run)
-            fig["runs"].append(run)
-            print(f"{len(students)} student(s) x {len(names)} assignment(s), {w} worker(s): {wall:.1f} s "
-                  f"({wall / n:.2f} s per submission, {cpu:.0f} CPU s)"
-                  + (f", {runs[0]['seconds'] / wall:.2f}x {worker_counts[0]} worker(s)" if len(runs) > 1 else ""))
-            yield w, wall, res
-
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-autograde-") as tmp:
         course_dir = Path(tmp) / "course"
-        course_dir.mkdir()
-        shutil.copy(src / "nbgrader_config.py", course_dir)
-        shutil.copytree(src / "solutions", course_dir / "solutions",
-                        ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+        _copy_course(src, course_dir)
         try:
             course = Course(course_dir)
             assignments = course.assignments()
@@ -172,51 +239,16 @@ def run(args) -> int:
         print(f"machine: {fig['machine']}")
         print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")
 
-        _submit(course_dir, assignments, ["one"], 0)
-        done = 0
-        for w, wall, res in timed(course, assignments, ["one"], "one_submission"):
-            done += 1
-            fig[f"one_submission_workers_{w}_s"] = wall
-            if w == worker_counts[0]:
-                fig["one_submission_s"] = wall
-                fig["one_submission_per_assignment_s"] = {r["assignment"]: r["seconds"] for r in res}
-                fig["one_submission_scores"] = {r["assignment"]: r["total"] for r in res}
-                print("  (" + ", ".join(f"{a} {s:.1f} s" for a, s in fig["one_submission_per_assignment_s"].items())
-                      + ")")
-        if done < len(worker_counts):
+        def timed(names: list[str], students: list[str], label: str):
+            return _timed(course, names, students, label, worker_counts, args.timeout, fig, cells)
+
+        if not _one_submission(course_dir, assignments, worker_counts, timed, fig):
             return 1
-        for w in worker_counts[1:]:
-            fig[f"one_submission_speedup_{w}_vs_{worker_counts[0]}"] = \
-                fig[f"one_submission_workers_{worker_counts[0]}_s"] / fig[f"one_submission_workers_{w}_s"]
+        status = _class_runs(args, course_dir, assignments, n_students, worker_counts, timed, fig)
+        if status is not None:
+            return status
 
-        in_class = [a for a in args.class_assignments.split(",") if a.strip()] or assignments
-        unknown = [a for a in in_class if a not in assignments]
-        if unknown:
-            print(f"gptlab bench autograde: error: unknown assignment(s) {', '.join(unknown)}")
-            return 2
-        fig["class_assignments"] = in_class
-        students = [f"student{k:02d}" for k in range(n_students)]
-        if students:
-            _submit(course_dir, in_class, students, args.blank_every)
-            done = 0
-            for w, wall, _ in timed(course, in_class, students, "class"):
-                done += 1
-                fig[f"class_workers_{w}_s"] = wall
-            if done < len(worker_counts):
-                return 1
-            base = fig.get(f"class_workers_{worker_counts[0]}_s")
-            for w in worker_counts[1:]:
-                fig[f"speedup_{w}_vs_{worker_counts[0]}"] = base / fig[f"class_workers_{w}_s"]
-
-    fig["test_cells_max_s"] = dict(sorted(cells.items()))
-    fig["slowest_test_cell_s"] = max(cells.values()) if cells else None
-    fig["load_average_after"] = os.getloadavg()
-    limits = _declared_limits(src)
-    fig["test_cells_declared_limit_s"] = {k: limits[k] for k in fig["test_cells_max_s"] if k in limits}
-    print("longest trusted verdict of each test cell (s):")
-    for k, s in fig["test_cells_max_s"].items():
-        flag = f"   (declared limit {limits[k]:g} s)" if k in limits else ("   OVER 5 s" if s >= 5 else "")
-        print(f"  {k:60s} {s:6.2f}{flag}")
+    _report_test_cells(fig, cells, src)
     if args.json:
         atomic_write_text(Path(args.json), json.dumps(fig, indent=2) + "\n")
         print(f"wrote {args.json}")

@@ -141,32 +141,23 @@ def _time(f, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(args) -> int:
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.quick:
-        args.new_tokens, args.rounds, args.lengths = 31, 1, "8,31"
-    n_new = args.new_tokens
-    if not 1 <= n_new <= 255:
-        raise SystemExit(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {n_new}")
-    device = torch.device(args.device)
-    model = mini_model(n_embd=args.n_embd).to(device)
-    hf = None
-    if not args.no_hf:
-        try:
-            hf = model.to_hf()
-            hf.generation_config.eos_token_id = None
-            hf.generation_config.pad_token_id = None
-            hf.generation_config.bos_token_id = None
-        except ImportError:
-            print("transformers not installed: skipping the HF contenders")
-    machine = machine_name()
-    print(f"machine: {machine}")
-    print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
-          f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
+def _hf_model(model):
+    """The HF twin of ``model`` for the HF contenders (no special tokens: it never stops early), or
+    None where ``transformers`` is not installed."""
+    try:
+        hf = model.to_hf()
+        hf.generation_config.eos_token_id = None
+        hf.generation_config.pad_token_id = None
+        hf.generation_config.bos_token_id = None
+    except ImportError:
+        print("transformers not installed: skipping the HF contenders")
+        return None
+    return hf
 
-    fns = _contenders(model, hf, n_new, device)
-    # correctness first: the cached and uncached paths, and HF, must agree token for token
+
+def _same_tokens(fns: dict) -> tuple[dict, object]:
+    """Correctness first: whether the cached and uncached paths, and HF, give gptlab_cached's tokens
+    (None: not run); and the decode plan fast=True ran, which is printed."""
     same = {name: None for name in fns}
     ref = fns["gptlab_cached"]()
     plan = last_plan()  # what fast=True ran (the first call calibrates this machine if it has to)
@@ -175,11 +166,13 @@ def run(args) -> int:
     for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached"):
         if name in fns:
             same[name] = bool(torch.equal(fns[name](), ref))
-    for f in fns.values():  # warm-up
-        f(4)
+    return same, plan
 
+
+def _timed_rounds(fns: dict, rounds: int, n_new: int) -> dict:
+    """The contenders interleaved, round after round: each one's best and median tokens/s (printed)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, f in fns.items():
             times[name].append(_time(f, n_new))
     results = {}
@@ -188,26 +181,26 @@ def run(args) -> int:
         best, med = n_new / min(ts), n_new / statistics.median(ts)
         results[name] = {"tokens_per_s_best": best, "tokens_per_s_median": med, "seconds": ts}
         print(f"{name:<24}{best:>12.1f}{med:>14.1f}")
+    return results
 
-    def ratio(a, b):
-        if a not in results or b not in results:
-            return None
-        return results[a]["tokens_per_s_best"] / results[b]["tokens_per_s_best"]
 
+def _ratio(results: dict, a: str, b: str) -> float | None:
+    if a not in results or b not in results:
+        return None
+    return results[a]["tokens_per_s_best"] / results[b]["tokens_per_s_best"]
+
+
+def _ratios_and_targets(results: dict) -> tuple[dict, str, dict]:
+    """The ratios of best rounds that matter, the floor (the faster bare chain) and whether each
+    target is met (None: not measured); all printed."""
     # the floor: the faster of the two bare chains (BLAS's single-core mat-vec, or split over cores)
     floor = max((n for n in ("bare_matvec", "bare_matvec_split") if n in results),
                 key=lambda n: results[n]["tokens_per_s_best"])
-    ratios = {
-        "gptlab_cached / hf_cached": ratio("gptlab_cached", "hf_cached"),
-        "gptlab_cached / bare_matvec": ratio("gptlab_cached", "bare_matvec"),
-        "gptlab_cached / bare_matvec_split": ratio("gptlab_cached", "bare_matvec_split"),
-        "bare_matvec_split / bare_matvec": ratio("bare_matvec_split", "bare_matvec"),
-        "bare_matvec_split / bare_matvec_blocks_bmm": ratio("bare_matvec_split", "bare_matvec_blocks_bmm"),
-        "gptlab_cached / gptlab_uncached": ratio("gptlab_cached", "gptlab_uncached"),
-        "gptlab_static_fwd / hf_cached": ratio("gptlab_static_fwd", "hf_cached"),
-        "gptlab_uncached / hf_uncached": ratio("gptlab_uncached", "hf_uncached"),
-        "hf_cached / bare_matvec": ratio("hf_cached", "bare_matvec"),
-    }
+    pairs = [("gptlab_cached", "hf_cached"), ("gptlab_cached", "bare_matvec"), ("gptlab_cached", "bare_matvec_split"),
+             ("bare_matvec_split", "bare_matvec"), ("bare_matvec_split", "bare_matvec_blocks_bmm"),
+             ("gptlab_cached", "gptlab_uncached"), ("gptlab_static_fwd", "hf_cached"),
+             ("gptlab_uncached", "hf_uncached"), ("hf_cached", "bare_matvec")]
+    ratios = {f"{a} / {b}": _ratio(results, a, b) for a, b in pairs}
     print()
     for k, v in ratios.items():
         if v is not None:
@@ -215,13 +208,16 @@ def run(args) -> int:
     targets = {
         "gptlab_cached >= 2x hf_cached": None if ratios["gptlab_cached / hf_cached"] is None
         else ratios["gptlab_cached / hf_cached"] >= 2.0,
-        f"gptlab_cached >= 0.5x {floor} (the faster bare chain)": ratio("gptlab_cached", floor) >= 0.5,
+        f"gptlab_cached >= 0.5x {floor} (the faster bare chain)": _ratio(results, "gptlab_cached", floor) >= 0.5,
     }
     for k, v in targets.items():
         if v is not None:
             print(f"target {k}: {'MET' if v else 'NOT MET'}")
-    print(f"same tokens as gptlab_cached: {', '.join(f'{k}={v}' for k, v in same.items() if v is not None)}")
+    return ratios, floor, targets
 
+
+def _length_sweep(args, fns: dict, machine: str) -> tuple[list[int], dict]:
+    """Tokens/s against the generated length, cached and uncached (printed, plotted to ``--plot``)."""
     sweep = {}
     lengths = [int(s) for s in args.lengths.split(",") if s.strip()] if args.lengths else []
     lengths = [n for n in lengths if 1 <= n <= 255]
@@ -240,6 +236,33 @@ def run(args) -> int:
         if args.plot:
             _plot(args.plot, lengths, sweep, machine)
             print(f"plot: {args.plot}")
+    return lengths, sweep
+
+
+def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.quick:
+        args.new_tokens, args.rounds, args.lengths = 31, 1, "8,31"
+    n_new = args.new_tokens
+    if not 1 <= n_new <= 255:
+        raise SystemExit(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {n_new}")
+    device = torch.device(args.device)
+    model = mini_model(n_embd=args.n_embd).to(device)
+    hf = None if args.no_hf else _hf_model(model)
+    machine = machine_name()
+    print(f"machine: {machine}")
+    print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
+          f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
+
+    fns = _contenders(model, hf, n_new, device)
+    same, plan = _same_tokens(fns)
+    for f in fns.values():  # warm-up
+        f(4)
+    results = _timed_rounds(fns, args.rounds, n_new)
+    ratios, floor, targets = _ratios_and_targets(results)
+    print(f"same tokens as gptlab_cached: {', '.join(f'{k}={v}' for k, v in same.items() if v is not None)}")
+    lengths, sweep = _length_sweep(args, fns, machine)
 
     if args.json:
         payload = {

@@ -111,6 +111,63 @@ def _prompts(n: int, length: int = 16) -> list[torch.Tensor]:
     return [torch.tensor(val[i * step : i * step + length].astype("int64"))[None] for i in range(n)]
 
 
+def _timed_rounds(target, draft, prompts: list[torch.Tensor], gs: list[int], temp: float, n_new: int, args,
+                  device: torch.device, sync) -> tuple[dict, dict]:
+    """The target alone and speculative decoding with each draft length g, interleaved round after
+    round: the seconds of each round (summed over the prompts) and each g's statistics. Greedy
+    speculative output must be the target's own."""
+    times = {"target": [], **{g: [] for g in gs}}  # seconds per round, summed over the prompts
+    stats = {g: [] for g in gs}
+    for r in range(args.rounds):
+        gen = torch.Generator(device=device).manual_seed(args.seed + r)
+        t_round = {"target": 0.0, **{g: 0.0 for g in gs}}
+        for idx in prompts:
+            t0 = time.perf_counter()
+            want = generate(target, idx, n_new, temperature=temp, generator=gen)
+            sync()
+            t_round["target"] += time.perf_counter() - t0
+            for g in gs:
+                t0 = time.perf_counter()
+                out, st = speculative_generate(target, draft, idx, n_new, num_draft_tokens=g,
+                                               temperature=temp, generator=gen)
+                sync()
+                t_round[g] += time.perf_counter() - t0
+                if temp == 0 and not torch.equal(out, want):
+                    raise RuntimeError(f"greedy speculative output (g={g}) differs from the target's own")
+                stats[g].append(st)
+        for k, v in t_round.items():
+            times[k].append(v)
+    return times, stats
+
+
+def _mode_figures(times: dict, stats: dict, gs: list[int], temp: float, n_tok: int) -> dict:
+    """One temperature's figures: the target's ms/token, and a row per g (acceptance, speed-up)."""
+    base_best, base_med = min(times["target"]), statistics.median(times["target"])
+    rows = []
+    for g in gs:
+        s = SpeculativeStats.combine(stats[g])
+        best, med = min(times[g]), statistics.median(times[g])
+        rows.append({"g": g, **s.summary(), "ms_per_token_best": 1e3 * best / n_tok,
+                     "ms_per_token_median": 1e3 * med / n_tok, "speedup_best": base_best / best,
+                     "speedup_median": base_med / med})
+    return {"temperature": temp, "target_ms_per_token_best": 1e3 * base_best / n_tok,
+            "target_ms_per_token_median": 1e3 * base_med / n_tok, "rows": rows}
+
+
+def _print_mode(mode: str, figures: dict) -> None:
+    rows = figures["rows"]
+    print(f"\n{mode}: target alone {figures['target_ms_per_token_best']:.2f} ms/token (best round; median "
+          f"{figures['target_ms_per_token_median']:.2f})")
+    print(f"{'g':>3} {'accept':>7} {'alpha':>6} {'tok/pass':>9} {'predicted':>9} {'ms/tok':>7} {'speed-up':>9} {'(median)':>9}")
+    for row in rows:
+        print(f"{row['g']:>3} {row['acceptance_rate']:>7.3f} {row['alpha']:>6.3f} "
+              f"{row['tokens_per_target_forward']:>9.2f} {row['predicted_tokens_per_target_forward']:>9.2f} "
+              f"{row['ms_per_token_best']:>7.2f} {row['speedup_best']:>8.2f}x {row['speedup_median']:>8.2f}x")
+    best_row = max(rows, key=lambda r: r["speedup_best"])
+    print(f"best: g={best_row['g']} {best_row['speedup_best']:.2f}x (target >= 1.5x: "
+          f"{'met' if best_row['speedup_best'] >= 1.5 else 'NOT met'})")
+
+
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,48 +195,9 @@ def run(args) -> int:
                "prompts": len(prompts), "rounds": args.rounds, "modes": {}}
     for temp in temps:
         mode = "greedy" if temp == 0 else f"T={temp:g}"
-        times = {"target": [], **{g: [] for g in gs}}  # seconds per round, summed over the prompts
-        stats = {g: [] for g in gs}
-        for r in range(args.rounds):
-            gen = torch.Generator(device=device).manual_seed(args.seed + r)
-            t_round = {"target": 0.0, **{g: 0.0 for g in gs}}
-            for idx in prompts:
-                t0 = time.perf_counter()
-                want = generate(target, idx, n_new, temperature=temp, generator=gen)
-                sync()
-                t_round["target"] += time.perf_counter() - t0
-                for g in gs:
-                    t0 = time.perf_counter()
-                    out, st = speculative_generate(target, draft, idx, n_new, num_draft_tokens=g,
-                                                   temperature=temp, generator=gen)
-                    sync()
-                    t_round[g] += time.perf_counter() - t0
-                    if temp == 0 and not torch.equal(out, want):
-                        raise RuntimeError(f"greedy speculative output (g={g}) differs from the target's own")
-                    stats[g].append(st)
-            for k, v in t_round.items():
-                times[k].append(v)
-        n_tok = n_new * len(prompts)
-        base_best, base_med = min(times["target"]), statistics.median(times["target"])
-        rows = []
-        for g in gs:
-            s = SpeculativeStats.combine(stats[g])
-            best, med = min(times[g]), statistics.median(times[g])
-            rows.append({"g": g, **s.summary(), "ms_per_token_best": 1e3 * best / n_tok,
-                         "ms_per_token_median": 1e3 * med / n_tok, "speedup_best": base_best / best,
-                         "speedup_median": base_med / med})
-        results["modes"][mode] = {"temperature": temp, "target_ms_per_token_best": 1e3 * base_best / n_tok,
-                                  "target_ms_per_token_median": 1e3 * base_med / n_tok, "rows": rows}
-        print(f"\n{mode}: target alone {1e3 * base_best / n_tok:.2f} ms/token (best round; median "
-              f"{1e3 * base_med / n_tok:.2f})")
-        print(f"{'g':>3} {'accept':>7} {'alpha':>6} {'tok/pass':>9} {'predicted':>9} {'ms/tok':>7} {'speed-up':>9} {'(median)':>9}")
-        for row in rows:
-            print(f"{row['g']:>3} {row['acceptance_rate']:>7.3f} {row['alpha']:>6.3f} "
-                  f"{row['tokens_per_target_forward']:>9.2f} {row['predicted_tokens_per_target_forward']:>9.2f} "
-                  f"{row['ms_per_token_best']:>7.2f} {row['speedup_best']:>8.2f}x {row['speedup_median']:>8.2f}x")
-        best_row = max(rows, key=lambda r: r["speedup_best"])
-        print(f"best: g={best_row['g']} {best_row['speedup_best']:.2f}x (target >= 1.5x: "
-              f"{'met' if best_row['speedup_best'] >= 1.5 else 'NOT met'})")
+        times, stats = _timed_rounds(target, draft, prompts, gs, temp, n_new, args, device, sync)
+        results["modes"][mode] = _mode_figures(times, stats, gs, temp, n_new * len(prompts))
+        _print_mode(mode, results["modes"][mode])
 
     if args.json:
         _write_json_atomic(Path(args.json), results)

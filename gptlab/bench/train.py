@@ -70,8 +70,8 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> tu
     return None, f"no peak known for {device.type}: pass --peak-tflops"
 
 
-def run(args: argparse.Namespace) -> int:
-    target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
+def _recipe_overrides(args: argparse.Namespace, target: float | None) -> dict:
+    """The recipe's overrides the command line asks for (no plot; progress only with --progress)."""
     overrides: dict = {"target_loss": target, "progress": bool(args.progress), "plot": False}
     if args.max_steps is not None:
         overrides["max_steps"] = args.max_steps
@@ -81,26 +81,17 @@ def run(args: argparse.Namespace) -> int:
         overrides["compile"] = True
     if args.num_threads is not None:
         overrides["num_threads"] = args.num_threads
-    try:
-        cfg = get_recipe(args.recipe, **overrides)
-    except (ValueError, TypeError) as e:
-        print(f"gptlab bench train: error: {e}")
-        return 2
-    with tempfile.TemporaryDirectory(prefix="gptlab-bench-") as tmp:
-        out = Path(args.out) if args.out else Path(tmp)
-        t0 = time.perf_counter()
-        try:
-            summary = train(cfg, out)
-        except (RunFolderError, LockError) as e:  # --out names a folder that holds a run, or a live one
-            print(f"gptlab bench train: error: {e}")
-            return 2
-        wall = time.perf_counter() - t0
+    return overrides
+
+
+def _figures(args: argparse.Namespace, cfg, summary: dict, target: float | None, wall: float) -> dict:
+    """The benchmark's figures from the run's summary: throughput, MFU, time to the target loss."""
     device = torch.device(summary["device"])
     peak, peak_src = peak_flops(device, args.peak_tflops)
     tps = summary["tokens_per_s"]
     achieved = tps * summary["flops_per_token"] if tps else None
     mfu = achieved / peak if (achieved and peak) else None
-    fig = {
+    return {
         "benchmark": "train",
         "machine": machine_name(),
         "recipe": args.recipe,
@@ -128,8 +119,12 @@ def run(args: argparse.Namespace) -> int:
         "eval_s": summary["eval_s"],
         "wall_s_including_setup": wall,
     }
+
+
+def _print_figures(fig: dict, cfg, target: float | None) -> None:
+    tps, mfu, peak_src, wall = fig["tokens_per_s"], fig["mfu"], fig["peak_source"], fig["wall_s_including_setup"]
     print(f"machine: {fig['machine']}")
-    print(f"recipe {args.recipe}: {fig['params']:,} parameters on {fig['device']} ({fig['dtype']}"
+    print(f"recipe {fig['recipe']}: {fig['params']:,} parameters on {fig['device']} ({fig['dtype']}"
           f"{', compiled' if cfg.compile else ''})")
     print(f"throughput: {tps:,.0f} tokens/s, {fig['ms_per_step']:.1f} ms/step (evaluation excluded)")
     if mfu is not None:
@@ -146,6 +141,26 @@ def run(args: argparse.Namespace) -> int:
                   f"{fig['train_elapsed_s']:.1f} s")
     print(f"final val loss {fig['final_val_loss']:.4f} ({fig['final_val_tokens']:,} validation tokens, "
           f"{fig['evaluations']} evaluations); wall time including setup {wall:.1f} s")
+
+
+def run(args: argparse.Namespace) -> int:
+    target = args.target_loss if args.target_loss is not None else DEFAULT_TARGETS.get(args.recipe)
+    try:
+        cfg = get_recipe(args.recipe, **_recipe_overrides(args, target))
+    except (ValueError, TypeError) as e:
+        print(f"gptlab bench train: error: {e}")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="gptlab-bench-") as tmp:
+        out = Path(args.out) if args.out else Path(tmp)
+        t0 = time.perf_counter()
+        try:
+            summary = train(cfg, out)
+        except (RunFolderError, LockError) as e:  # --out names a folder that holds a run, or a live one
+            print(f"gptlab bench train: error: {e}")
+            return 2
+        wall = time.perf_counter() - t0
+    fig = _figures(args, cfg, summary, target, wall)
+    _print_figures(fig, cfg, target)
     if args.json:
         p = atomic_write_text(args.json, json.dumps(fig, indent=2) + "\n")
         print(f"wrote {p}")

@@ -104,17 +104,10 @@ def _norm(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip().splitlines())
 
 
-def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: dict, notebook: str) -> tuple[object, list[dict]]:
-    """Read a submitted notebook and repair what nbgrader cannot: returns (notebook or None, notes).
-
-    ``None`` means the file is not a readable notebook (then nbgrader grades it as missing: 0).
-    """
+def _read_notebook(path: Path, notebook: str, note):
+    """The notebook at ``path``, or None (with a ``malformed`` note) where it is not UTF-8 text,
+    not JSON or not a valid Jupyter notebook."""
     import nbformat
-
-    notes: list[dict] = []
-
-    def note(kind: str, message: str, cell: str | None = None) -> None:
-        notes.append({"notebook": notebook, "cell": cell, "kind": kind, "message": message})
 
     try:
         text = path.read_bytes().decode("utf-8")
@@ -124,16 +117,23 @@ def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: d
     except UnicodeDecodeError as e:
         note("malformed", f"{notebook}.ipynb is not UTF-8 text (byte {e.start}), so it could not be graded: "
                           "every test in it scored 0.")
-        return None, notes
+        return None
     except json.JSONDecodeError as e:
         note("malformed", f"{notebook}.ipynb is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}), "
                           "so it could not be graded: every test in it scored 0.")
-        return None, notes
+        return None
     except Exception as e:  # noqa: BLE001 (nbformat raises several kinds)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         note("malformed", f"{notebook}.ipynb is not a valid Jupyter notebook ({first[:200]}), so it could not "
                           "be graded: every test in it scored 0.")
-        return None, notes
+        return None
+    return nb
+
+
+def _repair_cells(nb, reference: dict, gptlab_meta: dict, note) -> None:
+    """Restore each graded cell's type, nbgrader settings and (locked) released text; a cell with an
+    unknown or repeated id becomes an ordinary cell. Only the instructor's time limits are kept."""
+    import nbformat
 
     seen: dict[str, int] = {}
     for i, cell in enumerate(nb.cells):
@@ -170,7 +170,12 @@ def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: d
         if gid in gptlab_meta:
             cell.metadata["gptlab"] = gptlab_meta[gid]
 
-    # put back the locked cells that are missing
+
+def _restore_missing(nb, reference: dict, order: list[str], gptlab_meta: dict, note) -> None:
+    """Put back the locked cells that are missing, each where the source has it; note the missing
+    answer cells."""
+    import nbformat
+
     ids = order or list(reference)
     for k, gid in enumerate(ids):
         ref = reference.get(gid)
@@ -206,6 +211,23 @@ def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: d
         nb.cells.insert(pos, new)
         kind = "test cell" if ref["grade"] else "read-only cell"
         note("deleted", f"the {kind} {gid} was missing from the notebook; it was put back and run.", gid)
+
+
+def check_notebook(path: Path, reference: dict, order: list[str], gptlab_meta: dict, notebook: str) -> tuple[object, list[dict]]:
+    """Read a submitted notebook and repair what nbgrader cannot: returns (notebook or None, notes).
+
+    ``None`` means the file is not a readable notebook (then nbgrader grades it as missing: 0).
+    """
+    notes: list[dict] = []
+
+    def note(kind: str, message: str, cell: str | None = None) -> None:
+        notes.append({"notebook": notebook, "cell": cell, "kind": kind, "message": message})
+
+    nb = _read_notebook(path, notebook, note)
+    if nb is None:
+        return None, notes
+    _repair_cells(nb, reference, gptlab_meta, note)
+    _restore_missing(nb, reference, order, gptlab_meta, note)
     for cell in nb.cells:  # nbformat 4.5 cell ids, unique
         cell.pop("id", None)
     nb.nbformat_minor = 4
@@ -276,40 +298,13 @@ def _quiet_sqlalchemy() -> None:
     warnings.filterwarnings("ignore", category=SAWarning)
 
 
-def grade_student(job: dict) -> dict:
-    """Autograde one student's submission of one assignment (runs in a worker process).
-
-    ``job``: course root, db_url of the main gradebook (for the config), snapshot path, scratch
-    folder, assignment, student, per-cell timeout or None. Returns the scores read back from the
-    job's own gradebook, notes, per-cell times and the log of any failure.
-    """
-    from nbgrader.api import Gradebook
-    from nbgrader.converters import Autograde
-    from nbgrader.coursedir import CourseDirectory
-
-    _quiet_sqlalchemy()
-    t0 = time.perf_counter()
-    course = Course(job["root"], job["db_url"])
-    assignment, student = job["assignment"], job["student"]
-    scratch = Path(tempfile.mkdtemp(prefix=f"{student}-", dir=job["scratch"]))
-    db = scratch / "gradebook.db"
-    shutil.copyfile(job["snapshot"], db)
-    db_url = f"sqlite:///{db}"
-    submitted = course.directory("submitted") / student / assignment
-    staged = scratch / "submitted" / student / assignment
-    shutil.copytree(submitted, staged, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    autograded = course.directory("autograded") / student / assignment
-    if autograded.exists():
-        shutil.rmtree(autograded)
-
-    notes: list[dict] = []
-    result = {"assignment": assignment, "student": student, "notebooks": {}, "notes": notes, "times": {},
-              "failed": [], "log": ""}
+def _stage_notebooks(course: Course, assignment: str, staged: Path, notebooks: list[str], references: dict,
+                     result: dict) -> None:
+    """Make the staged submission gradable: files other than the notebooks removed, each notebook
+    checked and repaired (:func:`check_notebook`); one missing or unreadable goes to ``failed``."""
     import nbformat
 
-    with Gradebook(db_url) as gb:
-        notebooks = [nb.name for nb in gb.find_assignment(assignment).notebooks]
-        references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
+    notes = result["notes"]
     extra = _keep_only_notebooks(staged, notebooks)
     if extra:
         notes.append({"notebook": None, "cell": None, "kind": "ignored_files",
@@ -331,10 +326,14 @@ def grade_student(job: dict) -> dict:
             continue
         nbformat.write(nb, path)
 
-    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted")}
-    if job.get("timeout"):
-        overrides["Execute.timeout"] = int(job["timeout"])
-    cfg = course.config(**overrides)
+
+def _run_autograde(cfg, student: str, notebooks: list[str], autograded: Path, result: dict) -> None:
+    """nbgrader's Autograde on each notebook not failed yet: the runner's notes and the cell times
+    into ``result``; a notebook it cannot grade goes to ``failed``, with the log's tail."""
+    from nbgrader.converters import Autograde
+    from nbgrader.coursedir import CourseDirectory
+
+    assignment, notes = result["assignment"], result["notes"]
     for nb_name in notebooks:
         if nb_name in result["failed"]:
             continue
@@ -353,9 +352,15 @@ def grade_student(job: dict) -> dict:
         notes.extend(_events(out, nb_name))
         result["times"][nb_name] = _cell_times(out)
 
+
+def _read_scores(db_url: str, result: dict) -> None:
+    """The scores, comments and late penalties of the graded notebooks, read back from the job's
+    gradebook into ``result`` (with the submission's timestamp)."""
+    from nbgrader.api import Gradebook
+
     with Gradebook(db_url) as gb:
         try:
-            sub = gb.find_submission(assignment, student)
+            sub = gb.find_submission(result["assignment"], result["student"])
         except Exception:  # noqa: BLE001 (MissingEntry: nothing could be graded)
             sub = None
         if sub is not None:
@@ -368,6 +373,46 @@ def grade_student(job: dict) -> dict:
                     "comments": {c.name: c.auto_comment for c in snb.comments},
                     "late_penalty": snb.late_submission_penalty,
                 }
+
+
+def grade_student(job: dict) -> dict:
+    """Autograde one student's submission of one assignment (runs in a worker process).
+
+    ``job``: course root, db_url of the main gradebook (for the config), snapshot path, scratch
+    folder, assignment, student, per-cell timeout or None. Returns the scores read back from the
+    job's own gradebook, notes, per-cell times and the log of any failure.
+    """
+    from nbgrader.api import Gradebook
+
+    _quiet_sqlalchemy()
+    t0 = time.perf_counter()
+    course = Course(job["root"], job["db_url"])
+    assignment, student = job["assignment"], job["student"]
+    scratch = Path(tempfile.mkdtemp(prefix=f"{student}-", dir=job["scratch"]))
+    db = scratch / "gradebook.db"
+    shutil.copyfile(job["snapshot"], db)
+    db_url = f"sqlite:///{db}"
+    submitted = course.directory("submitted") / student / assignment
+    staged = scratch / "submitted" / student / assignment
+    shutil.copytree(submitted, staged, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+    autograded = course.directory("autograded") / student / assignment
+    if autograded.exists():
+        shutil.rmtree(autograded)
+
+    notes: list[dict] = []
+    result = {"assignment": assignment, "student": student, "notebooks": {}, "notes": notes, "times": {},
+              "failed": [], "log": ""}
+    with Gradebook(db_url) as gb:
+        notebooks = [nb.name for nb in gb.find_assignment(assignment).notebooks]
+        references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
+    _stage_notebooks(course, assignment, staged, notebooks, references, result)
+
+    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted")}
+    if job.get("timeout"):
+        overrides["Execute.timeout"] = int(job["timeout"])
+    cfg = course.config(**overrides)
+    _run_autograde(cfg, student, notebooks, autograded, result)
+    _read_scores(db_url, result)
     result["seconds"] = time.perf_counter() - t0
     shutil.rmtree(scratch, ignore_errors=True)
     return result

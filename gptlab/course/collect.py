@@ -131,6 +131,124 @@ def _inbound_folder(src: Path, course_id: str) -> Path | None:
     return None
 
 
+# (student, assignment) -> every submission found for it: (timestamp, source, how, name as given)
+_Candidates = dict[tuple[str, str], list[tuple[datetime, Path, str, str]]]
+
+
+def _student_id(student: str, entry: Path, found: Collected) -> str | None:
+    """``student`` sanitized; None, with ``entry`` skipped for the reason, where nothing is left."""
+    try:
+        return sanitize_student_id(student)
+    except ValueError as e:
+        found.skipped.append((str(entry), str(e)))
+        return None
+
+
+def _inbound_candidates(inbound: Path, assignment: str | None, known: list[str],
+                        found: Collected) -> _Candidates:
+    """Every submission in nbgrader's exchange inbound folder, by (student id, assignment); the
+    folders that are none go to ``found.skipped`` with the reason."""
+    cands: _Candidates = {}
+    for entry in sorted(inbound.iterdir()):
+        parts = entry.name.rsplit("+", 3) if entry.is_dir() else []
+        if len(parts) < 3:
+            found.skipped.append((str(entry), "not a <student>+<assignment>+<timestamp> folder"))
+            continue
+        student, name, stamp = parts[0], parts[1], parts[2]
+        if assignment and name != assignment:
+            found.skipped.append((str(entry), f"assignment {name}, not {assignment}"))
+            continue
+        if name not in known:
+            found.skipped.append((str(entry), f"unknown assignment {name!r}"))
+            continue
+        when = _parse_time(stamp)
+        if when is None and (entry / "timestamp.txt").is_file():
+            when = _parse_time((entry / "timestamp.txt").read_text())
+        if when is None:
+            found.skipped.append((str(entry), f"unreadable timestamp {stamp!r}"))
+            continue
+        sid = _student_id(student, entry, found)
+        if sid is None:
+            continue
+        cands.setdefault((sid, name), []).append((when, entry, "folder", student))
+    return cands
+
+
+def _flat_candidates(course: Course, src: Path, assignment: str | None, known: list[str],
+                     found: Collected) -> _Candidates:
+    """Every submission of ``assignment`` in a plain folder (``<student>.ipynb`` files and
+    ``<student>/`` folders), by (student id, assignment); the entries that are none go to
+    ``found.skipped`` with the reason."""
+    if not assignment:
+        raise CourseError(
+            f"{src} is not an nbgrader exchange inbound folder: name the assignment with --assignment "
+            "for a folder of <student>.ipynb files or <student>/ folders"
+        )
+    if assignment not in known:
+        raise CourseError(f"unknown assignment {assignment!r}; the course has: {', '.join(known)}")
+    cands: _Candidates = {}
+    for entry in sorted(src.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_symlink():
+            found.skipped.append((str(entry), "a symbolic link"))
+            continue
+        if entry.is_file() and entry.suffix == ".ipynb":
+            names = _notebook_names(course, assignment)
+            if any(entry.name == f"{nb}.ipynb" or copy_of(entry.name, nb) for nb in names):
+                found.skipped.append((str(entry), f"named after the notebook, not a student: hand it in as "
+                                                  f"<student>/{names[0]}.ipynb"))
+                continue
+            if len(names) != 1:
+                found.skipped.append((str(entry), f"{assignment} has several notebooks: hand them in as a "
+                                                  "<student>/ folder"))
+                continue
+            how = "file"
+            student = entry.stem
+        elif entry.is_dir() and any(entry.rglob("*.ipynb")):
+            how = "folder"
+            student = entry.name
+        else:
+            found.skipped.append((str(entry), "neither <student>.ipynb nor a folder with notebooks"))
+            continue
+        sid = _student_id(student, entry, found)
+        if sid is None:
+            continue
+        when = datetime.fromtimestamp(entry.stat().st_mtime, tz=timezone.utc)
+        cands.setdefault((sid, assignment), []).append((when, entry, how, entry.name))
+    return cands
+
+
+def _write_submission(dest: Path, entry: Path, how: str, when: datetime, notebook: str,
+                      renames: dict[str, str]) -> None:
+    """Copy one submission into ``dest`` (``submitted/<student>/<assignment>``): a ``file`` as
+    ``<notebook>.ipynb``, a ``folder`` whole with the copies in ``renames`` renamed; a
+    ``timestamp.txt`` where it has none. It is written beside ``dest`` and renamed into place, replacing what was there."""
+    name = dest.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=dest.parent))
+    try:
+        if how == "file":
+            shutil.copyfile(entry, tmp / f"{notebook}.ipynb")
+            (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
+        else:
+            shutil.copytree(entry, tmp, dirs_exist_ok=True, ignore=_ignore)
+            for old, new in renames.items():
+                (tmp / old).rename(tmp / new)
+            if not (tmp / "timestamp.txt").exists():
+                (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=dest.parent))
+            dest.rename(old / "x")
+            tmp.rename(dest)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def collect(course: Course, src: Path, assignment: str | None = None, dry_run: bool = False) -> Collected:
     """Copy the submissions in ``src`` into the course's ``submitted/`` folder; see the module doc."""
     src = Path(src)
@@ -140,74 +258,11 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
     course_id = cfg.CourseDirectory.get("course_id", "") or ""
     known = course.assignments()
     found = Collected()
-    # (student, assignment) -> every submission found for it: (timestamp, source, how, name as given)
-    cands: dict[tuple[str, str], list[tuple[datetime, Path, str, str]]] = {}
-
     inbound = _inbound_folder(src, course_id)
     if inbound is not None:
-        for entry in sorted(inbound.iterdir()):
-            parts = entry.name.rsplit("+", 3) if entry.is_dir() else []
-            if len(parts) < 3:
-                found.skipped.append((str(entry), "not a <student>+<assignment>+<timestamp> folder"))
-                continue
-            student, name, stamp = parts[0], parts[1], parts[2]
-            if assignment and name != assignment:
-                found.skipped.append((str(entry), f"assignment {name}, not {assignment}"))
-                continue
-            if name not in known:
-                found.skipped.append((str(entry), f"unknown assignment {name!r}"))
-                continue
-            when = _parse_time(stamp)
-            if when is None and (entry / "timestamp.txt").is_file():
-                when = _parse_time((entry / "timestamp.txt").read_text())
-            if when is None:
-                found.skipped.append((str(entry), f"unreadable timestamp {stamp!r}"))
-                continue
-            try:
-                sid = sanitize_student_id(student)
-            except ValueError as e:
-                found.skipped.append((str(entry), str(e)))
-                continue
-            cands.setdefault((sid, name), []).append((when, entry, "folder", student))
+        cands = _inbound_candidates(inbound, assignment, known, found)
     else:
-        if not assignment:
-            raise CourseError(
-                f"{src} is not an nbgrader exchange inbound folder: name the assignment with --assignment "
-                "for a folder of <student>.ipynb files or <student>/ folders"
-            )
-        if assignment not in known:
-            raise CourseError(f"unknown assignment {assignment!r}; the course has: {', '.join(known)}")
-        for entry in sorted(src.iterdir()):
-            if entry.name.startswith("."):
-                continue
-            if entry.is_symlink():
-                found.skipped.append((str(entry), "a symbolic link"))
-                continue
-            if entry.is_file() and entry.suffix == ".ipynb":
-                names = _notebook_names(course, assignment)
-                if any(entry.name == f"{nb}.ipynb" or copy_of(entry.name, nb) for nb in names):
-                    found.skipped.append((str(entry), f"named after the notebook, not a student: hand it in as "
-                                                      f"<student>/{names[0]}.ipynb"))
-                    continue
-                if len(names) != 1:
-                    found.skipped.append((str(entry), f"{assignment} has several notebooks: hand them in as a "
-                                                      "<student>/ folder"))
-                    continue
-                how = "file"
-                student = entry.stem
-            elif entry.is_dir() and any(entry.rglob("*.ipynb")):
-                how = "folder"
-                student = entry.name
-            else:
-                found.skipped.append((str(entry), "neither <student>.ipynb nor a folder with notebooks"))
-                continue
-            try:
-                sid = sanitize_student_id(student)
-            except ValueError as e:
-                found.skipped.append((str(entry), str(e)))
-                continue
-            when = datetime.fromtimestamp(entry.stat().st_mtime, tz=timezone.utc)
-            cands.setdefault((sid, assignment), []).append((when, entry, how, entry.name))
+        cands = _flat_candidates(course, src, assignment, known, found)
 
     chosen = _choose(cands, found, flat=inbound is None)
     notebooks = {name: _notebook_names(course, name) for name in {a for _, a in chosen}}
@@ -218,36 +273,12 @@ def collect(course: Course, src: Path, assignment: str | None = None, dry_run: b
         if how == "folder":
             renames, messages = _match_notebooks(entry, notebooks[name], sid if name == assignment else f"{sid} ({name})")
             found.messages.extend(messages)
-        if dry_run:
-            continue
-        dest = submitted / sid / name
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=dest.parent))
-        try:
-            if how == "file":
-                shutil.copyfile(entry, tmp / f"{notebooks[name][0]}.ipynb")
-                (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
-            else:
-                shutil.copytree(entry, tmp, dirs_exist_ok=True, ignore=_ignore)
-                for old, new in renames.items():
-                    (tmp / old).rename(tmp / new)
-                if not (tmp / "timestamp.txt").exists():
-                    (tmp / "timestamp.txt").write_text(when.strftime("%Y-%m-%d %H:%M:%S.%f %Z"))
-            if dest.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=dest.parent))
-                dest.rename(old / "x")
-                tmp.rename(dest)
-                shutil.rmtree(old)
-            else:
-                tmp.rename(dest)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+        if not dry_run:
+            _write_submission(submitted / sid / name, entry, how, when, notebooks[name][0], renames)
     return found
 
 
-def _choose(cands: dict[tuple[str, str], list[tuple[datetime, Path, str, str]]], found: Collected,
-            flat: bool) -> dict[tuple[str, str], tuple[datetime, Path, str]]:
+def _choose(cands: _Candidates, found: Collected, flat: bool) -> dict[tuple[str, str], tuple[datetime, Path, str]]:
     """The one submission to collect for each (student id, assignment): ``{key: (timestamp,
     source, how)}``; the others go to ``found.skipped`` with the reason.
 

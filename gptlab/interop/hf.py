@@ -38,6 +38,23 @@ def _rope_theta(cfg) -> float:
 
 _GPT2_EOS = 50256  # GPT-2's <|endoftext|>
 
+# GPTConfig field -> the HF config attribute holding it, per family (GPT-1's names are GPT-2's);
+# to_hf reads the GPT-2 table the other way round
+_HF_NAMES = {
+    "gpt2": dict(block_size="n_positions", n_layer="n_layer", n_head="n_head", n_embd="n_embd",
+                 norm_eps="layer_norm_epsilon"),
+    "llama": dict(block_size="max_position_embeddings", n_layer="num_hidden_layers", n_head="num_attention_heads",
+                  n_kv_head="num_key_value_heads", n_embd="hidden_size", n_inner="intermediate_size",
+                  norm_eps="rms_norm_eps"),
+}
+
+
+def _hf_fields(hf_config, family: str) -> dict:
+    """The GPTConfig fields every family converts alike: the vocabulary, the sizes named in
+    ``_HF_NAMES[family]``, and no dropout (a converted model is for inference)."""
+    sizes = {field: getattr(hf_config, name) for field, name in _HF_NAMES[family].items()}
+    return dict(vocab_size=hf_config.vocab_size, dropout=0.0, **sizes)
+
 
 def config_from_hf(hf_config) -> GPTConfig:
     """The :class:`GPTConfig` equivalent to a ``GPT2Config`` or ``LlamaConfig``."""
@@ -55,15 +72,9 @@ def config_from_hf(hf_config) -> GPTConfig:
         elif hf_config.afn not in ("gelu", "gelu_new"):  # HF's GPT-1 maps "gelu" to the tanh GELU
             raise ValueError(f"gptlab's MLP uses the tanh GELU; got afn={hf_config.afn!r}")
         return GPTConfig(
-            vocab_size=hf_config.vocab_size,
-            block_size=hf_config.n_positions,
-            n_layer=hf_config.n_layer,
-            n_head=hf_config.n_head,
-            n_embd=hf_config.n_embd,
+            **_hf_fields(hf_config, "gpt2"),
             n_inner=getattr(hf_config, "n_inner", None),
-            dropout=0.0,
             bias=True,
-            norm_eps=hf_config.layer_norm_epsilon,
             prenorm=kind == "gpt2",
             tie_weights=bool(getattr(hf_config, "tie_word_embeddings", True)),
         )
@@ -78,17 +89,9 @@ def config_from_hf(hf_config) -> GPTConfig:
                 f"attention_bias={attn_bias}, mlp_bias={hf_config.mlp_bias}"
             )
         return GPTConfig(
-            vocab_size=hf_config.vocab_size,
-            block_size=hf_config.max_position_embeddings,
-            n_layer=hf_config.num_hidden_layers,
-            n_head=hf_config.num_attention_heads,
-            n_kv_head=hf_config.num_key_value_heads,
-            n_embd=hf_config.hidden_size,
-            n_inner=hf_config.intermediate_size,
-            dropout=0.0,
+            **_hf_fields(hf_config, "llama"),
             bias=attn_bias,
             norm="rmsnorm",
-            norm_eps=hf_config.rms_norm_eps,
             mlp="swiglu",
             pos_emb="rope",
             rope_theta=_rope_theta(hf_config),
@@ -195,17 +198,13 @@ def to_hf(model):
     if problems:
         raise ValueError("to_hf exports GPT-2 style models only; this one has " + ", ".join(problems))
     hf_config = GPT2Config(
+        **{name: getattr(c, field) for field, name in _HF_NAMES["gpt2"].items()},
         vocab_size=c.vocab_size,
-        n_positions=c.block_size,
-        n_embd=c.n_embd,
-        n_layer=c.n_layer,
-        n_head=c.n_head,
         n_inner=c.n_inner,
         activation_function="gelu_new",
         resid_pdrop=c.dropout,
         embd_pdrop=c.dropout,
         attn_pdrop=c.dropout,
-        layer_norm_epsilon=c.norm_eps,
         tie_word_embeddings=True,
         # GPT2Config's defaults name GPT-2's <|endoftext|> (50256): only a token of this vocabulary
         bos_token_id=_GPT2_EOS if c.vocab_size > _GPT2_EOS else None,
