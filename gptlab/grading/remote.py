@@ -606,62 +606,85 @@ class _Worker:
             a, b = (_path(target, str(dec(header.get(k)))) for k in ("a", "b"))
             return {"value": a is b}, []
         if op == "call":
-            seed, threads = header.get("seed"), header.get("threads")
-            if isinstance(seed, int) and seed != self.seed:  # the grader's random state, as in its own process
-                torch.manual_seed(seed)
-                self.seed = seed
-            if isinstance(threads, int) and 0 < threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-            args = dec(header.get("args"))
-            kwargs = dec(header.get("kwargs"))
-            forbidden = _forbidden_from_specs(header.get("forbidden") or [])
-            flat = list(args) + list(kwargs.values())
-            before = {i: a.detach().clone() for i, a in enumerate(flat) if isinstance(a, Tensor)
-                      and a.device.type != "meta"}
-            captured = io.StringIO()
-            error = None
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
-                            forbid(forbidden, str(header.get("name", "your function"))):
-                        value = target(*args, **kwargs)
-                except KeyboardInterrupt:
-                    raise
-                except BaseException as e:  # noqa: BLE001 - SystemExit too: it is the learner's answer
-                    error = {"type": type(e).__name__, "message": str(e)}
-            text = captured.getvalue()
-            for w in caught:
-                text += f"{w.category.__name__}: {w.message}\n"
-            after_args = []
-            for i, old in before.items():
-                new = flat[i].detach()
-                if new.shape != old.shape or new.dtype != old.dtype or not _same(new, old):
-                    after_args.append([i, encode(new, out_bufs)])
-            for i, a in enumerate(flat):
-                if isinstance(a, torch.Generator):
-                    after_args.append([i, encode(a, out_bufs)])
-            after_port = []
-            for slot, made in portables:
-                state = getattr(made, "__gptlab_state__", None)
-                if callable(state):
-                    after_port.append([slot, encode(state(), out_bufs)])
-            reply = {"output": text[-MAX_OUTPUT:], "after": {"args": after_args, "portables": after_port}}
-            if error is None and isinstance(value, Tensor) and value.requires_grad and value.numel() == 1:
-                leaves = [(i, a) for i, a in enumerate(flat) if isinstance(a, Tensor) and a.requires_grad and a.is_leaf]
-                if leaves:
-                    try:
-                        got = torch.autograd.grad(value.reshape(()), [a for _, a in leaves], allow_unused=True,
-                                                  retain_graph=True)
-                        reply["grads"] = [[i, encode(g, out_bufs)] for (i, _), g in zip(leaves, got) if g is not None]
-                    except Exception:  # noqa: BLE001 - a graph that cannot be differentiated: no gradient
-                        pass
-            if error is not None:
-                reply["error"] = error
-            else:
-                reply["value"] = self.out(value, out_bufs, str(header.get("name", "result")))
-            return reply, out_bufs
+            return self._call(target, header, dec, portables, out_bufs), out_bufs
         return {"error": {"type": "RuntimeError", "message": f"unknown operation {op!r}"}}, []
+
+
+    def _call(self, target: Callable, header: dict, dec: Callable, portables: list, out_bufs: list[bytes]) -> dict:
+        """Run the learner's ``target(*args, **kwargs)`` with the forbidden entry points
+        instrumented and its output captured; the reply says what it returned (or raised), what it
+        printed, which arguments it changed, the state of the portable objects, and the gradient of
+        a scalar result with respect to the arguments that need one."""
+        seed, threads = header.get("seed"), header.get("threads")
+        if isinstance(seed, int) and seed != self.seed:  # the grader's random state, as in its own process
+            torch.manual_seed(seed)
+            self.seed = seed
+        if isinstance(threads, int) and 0 < threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        args = dec(header.get("args"))
+        kwargs = dec(header.get("kwargs"))
+        forbidden = _forbidden_from_specs(header.get("forbidden") or [])
+        flat = list(args) + list(kwargs.values())
+        before = {i: a.detach().clone() for i, a in enumerate(flat) if isinstance(a, Tensor)
+                  and a.device.type != "meta"}
+        captured = io.StringIO()
+        error = value = None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with contextlib.redirect_stdout(captured), contextlib.redirect_stderr(captured), \
+                        forbid(forbidden, str(header.get("name", "your function"))):
+                    value = target(*args, **kwargs)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # noqa: BLE001 - SystemExit too: it is the learner's answer
+                error = {"type": type(e).__name__, "message": str(e)}
+        text = captured.getvalue()
+        for w in caught:
+            text += f"{w.category.__name__}: {w.message}\n"
+        reply = {"output": text[-MAX_OUTPUT:], "after": _after_call(flat, before, portables, out_bufs)}
+        if error is None and isinstance(value, Tensor) and value.requires_grad and value.numel() == 1:
+            grads = _scalar_gradients(value, flat, out_bufs)
+            if grads is not None:
+                reply["grads"] = grads
+        if error is not None:
+            reply["error"] = error
+        else:
+            reply["value"] = self.out(value, out_bufs, str(header.get("name", "result")))
+        return reply
+
+
+def _after_call(flat: list, before: dict[int, Tensor], portables: list, out_bufs: list[bytes]) -> dict:
+    """What a call changed: the tensor arguments changed in place, every generator's state, and
+    the state of each portable object made for the call."""
+    after_args = []
+    for i, old in before.items():
+        new = flat[i].detach()
+        if new.shape != old.shape or new.dtype != old.dtype or not _same(new, old):
+            after_args.append([i, encode(new, out_bufs)])
+    for i, a in enumerate(flat):
+        if isinstance(a, torch.Generator):
+            after_args.append([i, encode(a, out_bufs)])
+    after_port = []
+    for slot, made in portables:
+        state = getattr(made, "__gptlab_state__", None)
+        if callable(state):
+            after_port.append([slot, encode(state(), out_bufs)])
+    return {"args": after_args, "portables": after_port}
+
+
+def _scalar_gradients(value: Tensor, flat: list, out_bufs: list[bytes]) -> list | None:
+    """The gradient of a scalar ``value`` with respect to each leaf argument that requires one, as
+    ``[index, encoded gradient]`` pairs (None: no such argument, or a graph that cannot be
+    differentiated)."""
+    leaves = [(i, a) for i, a in enumerate(flat) if isinstance(a, Tensor) and a.requires_grad and a.is_leaf]
+    if not leaves:
+        return None
+    try:
+        got = torch.autograd.grad(value.reshape(()), [a for _, a in leaves], allow_unused=True, retain_graph=True)
+    except Exception:  # noqa: BLE001 - a graph that cannot be differentiated: no gradient
+        return None
+    return [[i, encode(g, out_bufs)] for (i, _), g in zip(leaves, got) if g is not None]
 
 
 def _with_gradients(value: Tensor, grads: list, bufs: list[bytes], flat: list) -> Tensor:
