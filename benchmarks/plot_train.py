@@ -1,0 +1,67 @@
+"""The CPU training benchmark as a picture: time to nanoGPT's validation loss, and where a step's
+time goes (benchmarks/results/train.png), from the JSON files of benchmarks/results/.
+
+    python benchmarks/plot_train.py [--results benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+RUNS = [  # (file, label)
+    ("nanogpt_cpu.json", "nanoGPT's CPU command\n(its own train.py)"),
+    ("train_shakespeare-char-cpu.json", "gptlab shakespeare-char-cpu\n(the chapter's recipe)"),
+    ("train_shakespeare-char-cpu-fast.json", "gptlab shakespeare-char-cpu-fast\n(3 blocks, one evaluation)"),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args(argv)
+    runs = [(json.loads((args.results / f).read_text()), label) for f, label in RUNS if (args.results / f).exists()]
+    if not runs:
+        print(f"no results in {args.results}")
+        return 1
+    base = next((d["time_to_target_s"] for d, _ in runs if d["benchmark"] == "nanogpt_cpu"), None)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
+    labels = [label for _, label in runs]
+    times = [d["time_to_target_s"] or 0.0 for d, _ in runs]
+    bars = ax.barh(labels, times, color=["grey"] + ["tab:blue"] * (len(runs) - 1))
+    for bar, t in zip(bars, times):
+        ratio = f"  ({base / t:.2f}x nanoGPT)" if base and t and t != base else ""
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {t:.1f} s{ratio}", va="center")
+    if base:
+        ax.axvline(base / 4, color="tab:red", ls="--", lw=1)
+        ax.text(base / 4, len(runs) - 0.55, " a quarter of nanoGPT's time (the target)", color="tab:red", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(times) * 1.45)
+    ax.set_xlabel(f"seconds to validation loss <= {runs[0][0].get('target_loss', 1.886)}")
+    ax.set_title(runs[0][0]["machine"], fontsize=9)
+    parts = [(label.split("\n")[0], d["step_breakdown_ms"]) for d, label in runs if d.get("step_breakdown_ms")]
+    names = ["data", "forward", "backward", "optimizer"]
+    left = [0.0] * len(parts)
+    for name in names:
+        vals = [p[name] for _, p in parts]
+        bx.barh([n for n, _ in parts], vals, left=left, label=name)
+        left = [a + b for a, b in zip(left, vals)]
+    bx.invert_yaxis()
+    bx.set_xlabel("ms per training step (evaluation not included)")
+    bx.set_title("where a gptlab step's time goes", fontsize=9)
+    bx.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = args.results / "train.png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
