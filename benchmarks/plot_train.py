@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 RUNS = [  # (file, label)
     ("nanogpt_cpu.json", "nanoGPT's CPU command\n(its own train.py)"),
     ("train_shakespeare-char-cpu.json", "gptlab shakespeare-char-cpu\n(the chapter's recipe)"),
-    ("train_shakespeare-char-cpu-fast.json", "gptlab shakespeare-char-cpu-fast\n(3 blocks, one evaluation)"),
+    ("train_shakespeare-char-cpu-fast.json", "gptlab shakespeare-char-cpu-fast\n(2 blocks, 520 steps, one evaluation)"),
 ]
 
 
