@@ -451,11 +451,11 @@ def test_distillation_loss_is_ce_plus_forward_kl(teacher_dir):
             p = torch.distributions.Categorical(logits=tr.teacher(x)[0])
             q = torch.distributions.Categorical(logits=logits)
             kl = torch.distributions.kl_divergence(p, q).mean()
-            got = tr._loss(tr.model, x, y)
+            got = tr.batch_loss(tr.model, x, y)
         torch.testing.assert_close(got, 0.7 * ce + 0.3 * kl, atol=1e-5, rtol=1e-5)
         tr.cfg = tr.cfg.with_overrides(distill_weight=1.0)
         with torch.no_grad():
-            assert float(tr._loss(tr.teacher, x, y)) == pytest.approx(0.0, abs=1e-6)
+            assert float(tr.batch_loss(tr.teacher, x, y)) == pytest.approx(0.0, abs=1e-6)
     finally:
         tr.close()
 

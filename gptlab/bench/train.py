@@ -164,7 +164,7 @@ def step_breakdown(cfg, steps: int = 12, warmup: int = 3) -> dict:
                 x, y = get_batch(t.data.train, cfg.batch_size, cfg.model.block_size, generator=t.generator,
                                  device=t.device)
                 t1 = time.perf_counter()
-                loss = t._loss(t.train_model, x, y)
+                loss = t.batch_loss(t.train_model, x, y)
                 t2 = time.perf_counter()
                 loss.backward()
                 t3 = time.perf_counter()

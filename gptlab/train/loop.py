@@ -184,7 +184,7 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
-    def _loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def batch_loss(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """The training loss of a batch: the cross-entropy with the next tokens, or with a teacher
         :func:`~gptlab.train.distill.distillation_loss`."""
         logits, ce = model(x, y)
@@ -210,7 +210,7 @@ class Trainer:
             sync = model.no_sync() if self.dist.enabled and i < n - 1 else contextlib.nullcontext()
             with sync:
                 with self._autocast():
-                    loss = self._loss(model, x, y) / n
+                    loss = self.batch_loss(model, x, y) / n
                 self.scaler.scale(loss).backward()
             total += loss.detach().float()
         return total
