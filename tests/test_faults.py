@@ -233,6 +233,17 @@ def test_signal_in_the_middle_of_a_save(tmp_path, reference, capsys, case, signu
     check_same_run(out, reference)
 
 
+def set_aside(out: Path) -> bool:
+    """Whether an --overwrite run has moved every entry of the earlier run into its backup (the
+    manifest is written first, then one rename per entry: until the last, the old train_log may
+    still be in ``out`` and look like the new run's progress)."""
+    try:
+        names = json.loads((overwrite_backup(out) / "overwritten.json").read_text())["entries"]
+    except FileNotFoundError:
+        return False
+    return all((overwrite_backup(out) / n).exists() for n in names)
+
+
 def test_kill_9_during_an_overwrite(tmp_path, reference, capsys):
     """An --overwrite run killed before its first checkpoint: the run it was replacing comes back."""
     rng = rng_for("kill-overwrite")
@@ -240,7 +251,7 @@ def test_kill_9_during_an_overwrite(tmp_path, reference, capsys):
     shutil.copytree(reference, out)
     proc = spawn(out, "--overwrite", "--seed", "7", "--set", "checkpoint_interval=null")
     t0 = time.monotonic()
-    while not (overwrite_backup(out) / "overwritten.json").is_file():  # the new run has begun
+    while not set_aside(out):  # the new run has begun: every entry of the earlier run is in the backup
         assert proc.poll() is None and time.monotonic() - t0 < 180, proc.communicate()
         time.sleep(0.005)
     wait_for_step(proc, out, rng.randrange(5, STEPS - 10))
