@@ -209,6 +209,8 @@ class StaticKVCache(KVCache):
         """Layer ``layer``'s buffers (B, n_kv_head, max_len, head_dim): views made once, and again if
         ``k`` or ``v`` was replaced or the autograd mode changed (PyTorch forbids writing into a view
         made under ``no_grad`` or ``inference_mode`` once that mode is left)."""
+        if torch.compiler.is_compiling():  # a compiled step (gptlab.fast.compiled): views inside its graph
+            return self.k[layer], self.v[layer]
         views, mode = self._layers, (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if views is None or views[0] is not self.k or views[1] is not self.v or views[2] != mode:
             pairs = [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]

@@ -103,6 +103,11 @@ class GenerationConfig:
             pre-allocated, the default; ``"concat"``; ``"sliding"`` for sliding-window models).
         fast: on a CPU, run the decode steps' products on packed weights where that is faster on
             this machine (:mod:`gptlab.fast.cpu`); False runs the model's own layers.
+        compile: run the model's decode steps through ``torch.compile``
+            (:mod:`gptlab.fast.compiled`): the GPU's fast path; on a CPU it needs a C++ compiler
+            and pays only where ``python -m gptlab bench generate --compile`` says so. The first
+            call compiles (seconds to a minute). With ``compile``, ``fast`` packs nothing (the
+            compiled graph multiplies by the model's own weights).
         num_beams: beams of :func:`gptlab.beam_search` (1 for every other decoder).
         length_penalty: beam search's exponent of the length in a finished hypothesis's score
             ``sum_logprobs / generated_len ** length_penalty`` (a finite number).
@@ -123,6 +128,7 @@ class GenerationConfig:
     use_cache: bool = True
     cache: str = "static"
     fast: bool = True
+    compile: bool = False
     num_beams: int = 1
     length_penalty: float = 1.0
     early_stopping: bool | str = False
@@ -145,6 +151,7 @@ class GenerationConfig:
         if self.cache not in CACHE_IMPLS:
             raise ValueError(f"cache must be one of {CACHE_IMPLS}, got {self.cache!r}")
         object.__setattr__(self, "fast", _check_bool(self.fast, "fast"))
+        object.__setattr__(self, "compile", _check_bool(self.compile, "compile"))
         nb = self.num_beams
         if isinstance(nb, bool) or not isinstance(nb, int) or nb < 1:
             raise ValueError(f"num_beams must be an int >= 1, got {nb!r}")
@@ -160,6 +167,12 @@ class GenerationConfig:
         g = self.num_draft_tokens
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1, got {g!r}")
+
+    @property
+    def packs(self) -> bool:
+        """Whether the call packs the CPU products (:mod:`gptlab.fast.cpu`): ``fast`` and not
+        ``compile``."""
+        return self.fast and not self.compile
 
     def replace(self, **settings: Any) -> GenerationConfig:
         """A copy with ``settings`` changed, checked again. A setting is a field of this class or

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding, packed_layers
 from ..kvcache import make_cache
 from ..model import check_token_ids
@@ -75,8 +76,9 @@ class Runner:
     """
 
     def __init__(self, model, batch: int, prompt_len: int, total_len: int, mask: Tensor | None,
-                 use_cache: bool, cache_impl: str, device):
+                 use_cache: bool, cache_impl: str, device, compile: bool = False):
         self.model = model
+        self.decode = decode_step(model, compile and use_cache)  # model.decode, or compiled (gptlab.fast.compiled)
         self.block_size = model.config.block_size
         self.max_len = min(total_len, self.block_size)
         self.cache = make_cache(model, batch, self.max_len, cache_impl) if use_cache else None
@@ -93,9 +95,9 @@ class Runner:
         if cache is not None and cur <= self.max_len and cache.length < cur:
             start = cache.length
             if self.mask is None:
-                return model.decode(ids[:, start:cur], cache)
-            return model.decode(ids[:, start:cur], cache, position_ids=self.positions[:, start:cur],
-                                attention_mask=self.mask[:, :cur])
+                return self.decode(ids[:, start:cur], cache)
+            return self.decode(ids[:, start:cur], cache, position_ids=self.positions[:, start:cur],
+                               attention_mask=self.mask[:, :cur])
         self.cache = None  # past block_size (or no cache): recompute the cropped window
         start = max(0, cur - self.block_size)
         if self.mask is None:
@@ -154,7 +156,8 @@ def _steps(
     V = model.config.vocab_size
     eos = eos_tensor(config.eos_token_id, V, device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos is not None else None)
-    runner = Runner(model, B, prompt_len, prompt_len + n, mask, config.use_cache, config.cache, device)
+    runner = Runner(model, B, prompt_len, prompt_len + n, mask, config.use_cache, config.cache, device,
+                    compile=config.compile)
     done = torch.zeros(B, 1, dtype=torch.bool, device=device) if eos is not None else None
     for cur in range(prompt_len, prompt_len + n):
         logits = runner.logits(out, cur)  # (B, V)
@@ -202,7 +205,7 @@ def stream(model, idx: Tensor, max_new_tokens: int | None = None, config: Genera
     arguments are checked when ``stream`` is called, not at the first ``next()``.
     """
     config, steps, _ = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
-    return _stream_steps(model, steps, config.fast, config.max_new_tokens)
+    return _stream_steps(model, steps, config.packs, config.max_new_tokens)
 
 
 def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int) -> Iterator[Tensor]:
@@ -256,6 +259,8 @@ def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: Gene
               blocks over the cores, in the layers where that is faster on this machine
               (:mod:`gptlab.fast.cpu`: the same products, summed in another order); ``False``
               runs the model's own ``nn.Linear`` layers.
+            * compile: run the decode steps through ``torch.compile`` (the GPU's fast path,
+              :mod:`gptlab.fast.compiled`); the first call compiles.
 
     Returns:
         (B, T + n) int64: the prompts followed by the new tokens.
@@ -265,7 +270,7 @@ def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: Gene
     """
     config, steps, out = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
     n = 0
-    with EvalMode(model), torch.inference_mode(), fast_path(model, config.fast, config.max_new_tokens):
+    with EvalMode(model), torch.inference_mode(), fast_path(model, config.packs, config.max_new_tokens):
         for _ in steps:
             n += 1
     return out[:, : idx.shape[1] + n].clone()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding
 from ..kvcache import StaticKVCache
 from ..model import GPT, check_token_ids
@@ -311,7 +312,8 @@ def speculative_generate(
             and top_p (applied to both models' logits, :func:`gptlab.sampling.process_logits`;
             ``temperature=0`` is greedy) and ``fast`` (on a CPU, both models' decode products on
             packed weights where that is faster on this machine, as :func:`gptlab.generate` runs
-            them). A config that sets min_p, a penalty, eos_token_id or num_beams > 1 is refused.
+            them) or ``compile`` (both models' decode steps through ``torch.compile``,
+            :mod:`gptlab.fast.compiled`). A config that sets min_p, a penalty, eos_token_id or num_beams > 1 is refused.
         generator: a seeded ``torch.Generator`` for reproducible sampling.
         **settings: fields of :class:`GenerationConfig` or :class:`gptlab.sampling.SamplingConfig`
             replacing the config's (``num_draft_tokens=4, temperature=0``).
@@ -329,7 +331,7 @@ def speculative_generate(
     stats = SpeculativeStats(num_draft_tokens=config.num_draft_tokens)
     if max_new_tokens == 0:
         return seq[None], stats
-    with _decode_mode(target, draft, config.fast, max_new_tokens):
+    with _decode_mode(target, draft, config.packs, max_new_tokens):
         _rounds(target, draft, seq, T0, config, generator, stats)
     return seq[None], stats
 
@@ -378,19 +380,20 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
     # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
     tcache = StaticKVCache.for_model(target, 1, end)
     dcache = StaticKVCache.for_model(draft, 1, end)
+    tdecode, ddecode = decode_step(target, config.compile), decode_step(draft, config.compile)
     if n > 1:  # prefill everything but the last prompt token, which opens round one
-        target.decode(seq[None, : n - 1], tcache)
-        draft.decode(seq[None, : n - 1], dcache)
+        tdecode(seq[None, : n - 1], tcache)
+        ddecode(seq[None, : n - 1], dcache)
         stats.target_forwards += 1
         stats.draft_forwards += 1
     while n < end:
         g = min(config.num_draft_tokens, end - n - 1)  # never draft past max_new_tokens
         # 1. the draft guesses g tokens, one forward pass each
-        draft_tokens, qs = _guesses(draft, dcache, seq[None, dcache.length : n], g, None if greedy else probs,
+        draft_tokens, qs = _guesses(ddecode, dcache, seq[None, dcache.length : n], g, None if greedy else probs,
                                     generator, stats)
         # 2. the target scores the last token and all g guesses in one forward pass
         cand = torch.cat([seq[n - 1 : n], draft_tokens])[None]  # (1, g+1)
-        tlogits = target.decode(cand, tcache, last_only=False)[0]  # (g+1, V)
+        tlogits = tdecode(cand, tcache, last_only=False)[0]  # (g+1, V)
         stats.target_forwards += 1
         # 3. keep the agreed prefix, add one target token
         if greedy:
@@ -408,14 +411,15 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
         dcache.crop(n - 1)
 
 
-def _guesses(draft, cache: StaticKVCache, x: Tensor, g: int, probs: Callable[[Tensor], Tensor] | None,
-             generator: torch.Generator | None, stats: SpeculativeStats) -> tuple[Tensor, list[Tensor]]:
+def _guesses(decode: Callable[..., Tensor], cache: StaticKVCache, x: Tensor, g: int,
+             probs: Callable[[Tensor], Tensor] | None, generator: torch.Generator | None,
+             stats: SpeculativeStats) -> tuple[Tensor, list[Tensor]]:
     """The draft's ``g`` guesses (g,) after ``x`` (1, t), what its ``cache`` has not seen yet, one
-    forward pass each: arg-maxes without ``probs`` (greedy), else draws from ``probs(logits)``,
-    returned too (each (1, V))."""
+    forward pass each (``decode``: the draft's :meth:`~gptlab.GPT.decode`, maybe compiled):
+    arg-maxes without ``probs`` (greedy), else draws from ``probs(logits)``, returned too (each (1, V))."""
     guesses, qs = [], []
     for _ in range(g):
-        logits = draft.decode(x, cache)  # (1, V)
+        logits = decode(x, cache)  # (1, V)
         stats.draft_forwards += 1
         if probs is None:
             tok = logits.argmax(dim=-1)  # (1,)
