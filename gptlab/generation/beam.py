@@ -94,8 +94,9 @@ def beam_search(model, idx: Tensor, max_new_tokens: int | None = None, num_beams
 
 
 class Candidates(NamedTuple):
-    """A step's ``K`` best continuations of each row, best first (K = max(2, 1 + #eos) * num_beams,
-    Hugging Face's count: enough for ``num_beams`` of them not to end)."""
+    """A step's ``K`` best continuations of each row, best first (K: :func:`beam_search_fn`'s
+    ``num_candidates``, by default Hugging Face's ``max(2, 1 + #eos) * num_beams``, enough for
+    ``num_beams`` of them not to end)."""
 
     scores: Tensor
     """(B, K) float32: their scores (:func:`candidate_scores`)."""
@@ -180,7 +181,7 @@ def beam_search_fn(step_fn: Callable[[Tensor], Tensor], prompt_ids: Tensor, num_
     eos = None if config.eos_token_id is None else torch.tensor(config.eos_token_id, device=prompt_ids.device)
     fill = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     search = _Search.of(config, eos, score, finish, final_score, num_candidates)
-    if early_stopping is None:
+    if early_stopping is None:  # not one of the config's modes: checked as "never", searched without a stop
         search = search._replace(early_stopping=None)
     with torch.inference_mode():
         hyps = _search(_StepFnRunner(step_fn), prompt_ids, search, T + max_new_tokens, eos, fill)
