@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gptlab import GPT, GPTConfig, beam_search, generate, stream
+from gptlab.generation import beam_search_fn
 from gptlab.sampling import process_logits
 
 import transformers  # noqa: E402,F401  (the HF comparisons need it)
@@ -123,6 +124,23 @@ def test_beam_search_batch_with_eos_and_lengths_matches_hf(model, hf, prompts):
 def test_beam_search_one_beam_is_greedy_and_cache_does_not_matter(model, prompts):
     assert torch.equal(beam_search(model, prompts, 10, 1), generate(model, prompts, 10, temperature=0))
     assert torch.equal(beam_search(model, prompts, 10, 3), beam_search(model, prompts, 10, 3, use_cache=False))
+
+
+@pytest.mark.parametrize("early_stopping", [False, True, "never"])
+def test_beam_search_on_a_step_function_is_the_same_search(model, prompts, early_stopping):
+    """beam_search_fn runs beam_search's loop on ``ids -> logits`` (no cache): the same answers in
+    every early-stopping mode, and every step searched (None) gives "never"'s answers."""
+    def step_fn(ids):
+        return model(ids, last_only=True)[0][:, -1, :]
+
+    eos = int(beam_search(model, prompts, 12, 3)[0, 5 + 2])
+    for lpen in (1.0, 2.0, -1.0):
+        want = beam_search(model, prompts, 12, 3, length_penalty=lpen, eos_token_id=eos, early_stopping=early_stopping)
+        with torch.no_grad():
+            got = beam_search_fn(step_fn, prompts, 3, 12, eos, lpen, early_stopping=early_stopping)
+            assert torch.equal(got, want), lpen
+            if early_stopping == "never":
+                assert torch.equal(beam_search_fn(step_fn, prompts, 3, 12, eos, lpen, early_stopping=None), want)
 
 
 def _left_pad(seqs, pad=0):

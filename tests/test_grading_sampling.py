@@ -14,7 +14,6 @@ from gptlab.grading.sampling import (
     _BEAM_CASES,
     _BEAM_MISTAKES,
     ToyLM,
-    _variant,
     check_beam_search,
     check_sample_next,
     check_top_k_filter,
@@ -22,9 +21,10 @@ from gptlab.grading.sampling import (
 )
 
 
-def recipe(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty=1.0):
-    """The task text's recipe, step by step (plain Python, double precision)."""
-    beams, finished = [(list(prompt), 0.0)], []
+def recipe(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty=1.0, copies=1):
+    """The task text's recipe, step by step (plain Python, double precision); ``copies`` > 1: the
+    search starts from that many copies of the prompt (a learner's mistake)."""
+    beams, finished = [(list(prompt), 0.0)] * copies, []
     for step in range(1, max_new_tokens + 1):
         logp = F.log_softmax(step_fn(torch.tensor([s for s, _ in beams])).double(), dim=-1)
         cands = sorted(((sc + logp[i, v].item(), seq + [v]) for i, (seq, sc) in enumerate(beams)
@@ -44,21 +44,23 @@ def recipe(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_pena
 def test_recipe_in_the_task_text_is_gptlab_beam_search(nb, n, lp):
     for seed in range(40):
         toy = ToyLM(seed)
-        assert recipe(toy, [1, 2], nb, n, 0, lp) == reference_beam_search(toy, [1, 2], nb, n, 0, lp, 10), seed
+        assert recipe(toy, [1, 2], nb, n, 0, lp) == reference_beam_search(toy, [1, 2], nb, n, 0, lp), seed
 
 
 def test_reference_runs_until_the_last_step_and_finds_short_hypotheses():
-    lengths = {len(reference_beam_search(ToyLM(s), [3], 3, 6, 0, 1.0, 10)) for s in range(30)}
+    lengths = {len(reference_beam_search(ToyLM(s), [3], 3, 6, 0, 1.0)) for s in range(30)}
     assert len(lengths) > 2, lengths  # eos ends hypotheses at several lengths on the toy models
 
 
 def test_every_beam_mistake_changes_an_answer_and_no_two_look_alike():
-    def answers(**kw):
-        return tuple(tuple(_variant(ToyLM(s), p, nb, n, 0, lp, **kw)) for s, p, nb, n, lp in _BEAM_CASES)
+    def answers(**mistake):
+        return tuple(tuple(reference_beam_search(ToyLM(s), p, **(dict(num_beams=nb, max_new_tokens=n, eos_token_id=0,
+                                                                      length_penalty=lp) | mistake)))
+                     for s, p, nb, n, lp in _BEAM_CASES)
 
-    right = tuple(tuple(reference_beam_search(ToyLM(s), p, nb, n, 0, lp, 10)) for s, p, nb, n, lp in _BEAM_CASES)
-    assert answers() == right
-    wrong = [answers(**kw) for kw, _ in _BEAM_MISTAKES]
+    right = answers()
+    assert right == tuple(tuple(recipe(ToyLM(s), p, nb, n, 0, lp)) for s, p, nb, n, lp in _BEAM_CASES)
+    wrong = [answers(**mistake) for mistake, _ in _BEAM_MISTAKES]
     assert all(w != right for w in wrong)
     assert all(a != b for a, b in itertools.combinations(wrong, 2))
 
@@ -66,7 +68,7 @@ def test_every_beam_mistake_changes_an_answer_and_no_two_look_alike():
 def test_duplicated_start_beams_is_greedy_and_named_so():
     """num_beams copies of the prompt make every beam the same sequence: greedy decoding."""
     def dup(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty=1.0):
-        return _variant(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty, dedup=False)
+        return recipe(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty, copies=num_beams)
 
     with pytest.raises(ExerciseError, match="copies of the prompt"):
         check_beam_search(dup)

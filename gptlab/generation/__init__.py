@@ -6,7 +6,8 @@ all run from one :class:`GenerationConfig` (the settings, checked once):
 * :mod:`gptlab.generation.config`: :class:`GenerationConfig` (Hugging Face's is the anchor), with
   the logits settings nested as a :class:`gptlab.sampling.SamplingConfig`;
 * :mod:`gptlab.generation.loop`: the decode loop, :func:`generate` and :func:`stream` (chapters 5-7);
-* :mod:`gptlab.generation.beam`: :func:`beam_search`, Hugging Face's (chapter 6);
+* :mod:`gptlab.generation.beam`: :func:`beam_search`, Hugging Face's (chapter 6), and the same
+  search on a step function, :func:`beam_search_fn` (what the beam-search assignment is checked with);
 * :mod:`gptlab.generation.speculative`: speculative decoding, :func:`speculative_generate` and its
   pieces (chapter 8).
 
@@ -15,10 +16,10 @@ all run from one :class:`GenerationConfig` (the settings, checked once):
 
 from ..kvcache import make_cache
 from ..sampling import SamplingConfig
-from .beam import beam_search
+from .beam import beam_search, beam_search_fn
 from .config import GenerationConfig
 from .loop import generate, stream
 from .speculative import SpeculativeStats, speculative_generate
 
-__all__ = ["GenerationConfig", "SamplingConfig", "generate", "stream", "beam_search", "speculative_generate",
-           "SpeculativeStats", "make_cache"]
+__all__ = ["GenerationConfig", "SamplingConfig", "generate", "stream", "beam_search", "beam_search_fn",
+           "speculative_generate", "SpeculativeStats", "make_cache"]

@@ -14,8 +14,8 @@ compared with gptlab's own piece on seeded inputs and edge cases:
 * ``sample_next(logits, generator)``: one draw per row from softmax(logits), ids (B,) int64,
   judged by the distribution of many seeded draws (:func:`gptlab.grading.core.expect_distribution`);
 * ``beam_search(step_fn, prompt, num_beams, max_new_tokens, eos_token_id, length_penalty)``: the
-  best hypothesis as a list of ids, compared with :func:`gptlab.generation.beam_search` (run with
-  ``early_stopping="never"``, i.e. every step is searched) on a small fixed toy language model.
+  best hypothesis as a list of ids, compared with :func:`gptlab.generation.beam_search_fn` (the
+  package's beam search on a step function, every step searched) on a small fixed toy language model.
 
 The filters are single operations on float32 logits: compared with atol 1e-6, rtol 1e-5 (a
 filtered entry must be exactly ``-inf``). Each task forbids gptlab's own function and Hugging
@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import generation as _generation
+from ..generation.beam import Candidates, finish_in_top_beams, hypothesis_score
 from .. import sampling as _sampling
 from .core import (
     ExerciseError,
@@ -68,7 +68,8 @@ _GPTLAB_FILTERS = entries_of(
     "apply_repetition_penalty", "apply_frequency_penalty", "apply_presence_penalty", "process_logits")
 _GPTLAB_SAMPLERS = entries_of(_sampling, "sample_next", "sample_from_probs") + (
     Forbidden(_generation.generate, "gptlab.generate"),)
-_GPTLAB_BEAM = (Forbidden(_generation.beam_search, "gptlab.beam_search"),)
+_GPTLAB_BEAM = (Forbidden(_generation.beam_search, "gptlab.beam_search"),
+                Forbidden(_generation.beam_search_fn, "gptlab.generation.beam_search_fn"))
 
 _HF_MODULE = "transformers.generation.logits_process"
 _HF_PROCESSORS = (
@@ -513,60 +514,14 @@ class ToyLM:
         return "gptlab.grading.sampling:ToyLM", list(self._recipe)
 
 
-class _StepModel(torch.nn.Module):
-    """The adapter that lets :func:`gptlab.generation.beam_search` (which takes a model) run a step
-    function: ``model(ids (N, T), last_only=True) -> (logits (N, 1, V), None)``, no KV cache."""
-
-    def __init__(self, step_fn: Callable[[Tensor], Tensor], vocab_size: int):
-        super().__init__()
-        self.step_fn = step_fn
-        self.config = SimpleNamespace(vocab_size=vocab_size, block_size=1 << 30)
-
-    def forward(self, ids: Tensor, last_only: bool = True, **kwargs):
-        return self.step_fn(ids)[:, None, :], None
-
-
 def reference_beam_search(step_fn, prompt: Sequence[int], num_beams: int, max_new_tokens: int,
-                          eos_token_id: int | None, length_penalty: float, vocab_size: int) -> list[int]:
-    """The expected answer: :func:`gptlab.generation.beam_search` on ``step_fn`` with
-    ``early_stopping="never"`` (every step searched), as a list of ids (prompt included)."""
-    out = _generation.beam_search(
-        _StepModel(step_fn, vocab_size), torch.tensor([list(prompt)]), max_new_tokens, num_beams,
-        length_penalty=length_penalty, eos_token_id=eos_token_id, use_cache=False, early_stopping="never",
-    )
+                          eos_token_id: int | None, length_penalty: float, **decisions) -> list[int]:
+    """The expected answer: :func:`gptlab.generation.beam_search_fn` on ``step_fn`` with every step
+    searched (``early_stopping=None``, the learner's loop), as a list of ids (prompt included).
+    ``decisions``: its keyword arguments that replace a decision (a known mistake, :data:`_BEAM_MISTAKES`)."""
+    out = _generation.beam_search_fn(step_fn, torch.tensor([list(prompt)]), num_beams, max_new_tokens, eos_token_id,
+                                     length_penalty, early_stopping=None, **decisions)
     return out[0].tolist()
-
-
-def _variant(step_fn, prompt, num_beams, max_new_tokens, eos, lp, *, score="log", dedup=True,
-             penalty=True, length="new", finish_all_eos=False, beams=None) -> list[int]:
-    """Beam search with one known mistake switched on (the diagnoses of :func:`check_beam_search`)."""
-    live = [(list(prompt), 0.0)] if dedup else [(list(prompt), 0.0)] * num_beams
-    nb = num_beams if beams is None else beams
-    finished = []
-    for step in range(1, max_new_tokens + 1):
-        logits = step_fn(torch.tensor([s for s, _ in live])).double()
-        lp_tok = F.log_softmax(logits, dim=-1)
-        cands = []
-        for i, (seq, s) in enumerate(live):
-            for v in range(logits.shape[-1]):
-                if score == "log":
-                    new = s + lp_tok[i, v].item()
-                elif score == "prob_sum":
-                    new = s + lp_tok[i, v].exp().item()
-                else:  # "last": no accumulation
-                    new = lp_tok[i, v].item()
-                cands.append((new, seq + [v]))
-        cands.sort(key=lambda c: -c[0])
-        nxt = []
-        for rank, (s, seq) in enumerate(cands):
-            if seq[-1] == eos or step == max_new_tokens:
-                if rank < nb or (finish_all_eos and seq[-1] == eos):
-                    n = step if length == "new" else len(seq)
-                    finished.append((s / n**lp if penalty else s, seq))
-            elif len(nxt) < nb:
-                nxt.append((seq, s))
-        live = nxt
-    return max(finished, key=lambda f: f[0])[1]
 
 
 _BEAM_CASES = [  # (toy seed, prompt, num_beams, max_new_tokens, length_penalty)
@@ -577,8 +532,8 @@ _BEAM_CASES = [  # (toy seed, prompt, num_beams, max_new_tokens, length_penalty)
     (4, [2, 9], 1, 4, 1.0),
     (5, [8], 3, 1, 1.0),
 ]
-"""Chosen (by trying the variants of :func:`_variant` on many toy seeds) so that every known
-mistake changes at least one answer and no two mistakes give the same answers on all of them."""
+"""Chosen (by trying the known mistakes of :data:`_BEAM_MISTAKES` on many toy seeds) so that every
+known mistake changes at least one answer and no two mistakes give the same answers on all of them."""
 
 
 def _as_ids(got, what: str) -> list[int]:
@@ -604,7 +559,7 @@ def check_beam_search(fn: Callable, seed: int = 0) -> None:
     -> the best finished hypothesis as a list of ids (the prompt, then the generated ids, eos
     included when it ended with eos), on a fixed toy model (:class:`ToyLM`, vocabulary of 10, eos 0)
     for 7 settings (1 to 4 beams, 1 to 8 new tokens, length penalties 0 to 2). The expected answer
-    is :func:`gptlab.generation.beam_search` run with ``early_stopping="never"``; ids are compared
+    is :func:`gptlab.generation.beam_search_fn` with every step searched; ids are compared
     exactly.
     """
     require_function(fn, "beam_search")
@@ -614,7 +569,7 @@ def check_beam_search(fn: Callable, seed: int = 0) -> None:
         what = (f"beam_search(step_fn, prompt={prompt}, num_beams={nb}, max_new_tokens={n}, eos_token_id=0, "
                 f"length_penalty={lp})")
         got = _as_ids(call(fn, "beam_search", toy, list(prompt), nb, n, toy.eos, lp, forbidden=_GPTLAB_BEAM), what)
-        runs.append((what, toy, prompt, nb, n, lp, got, reference_beam_search(toy, prompt, nb, n, toy.eos, lp, 10)))
+        runs.append((what, toy, prompt, nb, n, lp, got, reference_beam_search(toy, prompt, nb, n, toy.eos, lp)))
     wrong = [r for r in runs if r[6] != r[7]]
     if not wrong:
         return
@@ -626,26 +581,57 @@ def check_beam_search(fn: Callable, seed: int = 0) -> None:
     )
 
 
-_BEAM_MISTAKES = [
-    (dict(score="prob_sum"), "you added probabilities; a sequence's score is the SUM OF LOG-probabilities "
+# the known mistakes, each a replacement for one decision of gptlab.generation.beam_search_fn
+
+
+def _added_probabilities(beam_scores: Tensor, logprobs: Tensor) -> Tensor:
+    """Probabilities added instead of log-probabilities."""
+    return beam_scores[:, :, None] + logprobs.exp()
+
+
+def _last_token_only(beam_scores: Tensor, logprobs: Tensor) -> Tensor:
+    """The new token's log-probability alone, the beam's score forgotten."""
+    return logprobs
+
+
+def _no_length_penalty(sum_logprobs: Tensor, generated_len: int, length_penalty: float, prompt_len: int) -> Tensor:
+    """The summed log-probability, not divided by the length."""
+    return sum_logprobs
+
+
+def _prompt_counted(sum_logprobs: Tensor, generated_len: int, length_penalty: float, prompt_len: int) -> Tensor:
+    """Divided by the whole sequence's length, the prompt's included."""
+    return hypothesis_score(sum_logprobs, prompt_len + generated_len, length_penalty, prompt_len)
+
+
+def _every_eos(candidates: Candidates, num_beams: int) -> Tensor:
+    """Every candidate ending in eos finishes, however low its rank."""
+    return finish_in_top_beams(candidates, num_beams) | candidates.eos
+
+
+_BEAM_MISTAKES = [  # (keyword arguments of reference_beam_search that make the mistake, diagnosis)
+    (dict(score=_added_probabilities), "you added probabilities; a sequence's score is the SUM OF LOG-probabilities "
      "of its tokens (the log of their product): add log_softmax values."),
-    (dict(score="last"), "you did not accumulate the scores: a candidate's score is its beam's score plus "
+    (dict(score=_last_token_only), "you did not accumulate the scores: a candidate's score is its beam's score plus "
      "the new token's log-probability, not the new token's log-probability alone."),
-    (dict(penalty=False), "you ignored the length penalty: a finished hypothesis scores "
+    (dict(final_score=_no_length_penalty), "you ignored the length penalty: a finished hypothesis scores "
      "sum_logprobs / generated_len ** length_penalty."),
-    (dict(length="all"), "your length counts the prompt: the length penalty divides by the number of "
+    (dict(final_score=_prompt_counted), "your length counts the prompt: the length penalty divides by the number of "
      "GENERATED tokens (eos included), len(seq) - len(prompt)."),
-    (dict(finish_all_eos=True), "every candidate ending in eos became a finished hypothesis; only those "
-     "ranked among the best num_beams candidates of the step do (the others are dropped)."),
-    (dict(beams=1), "your search is greedy decoding: all beams hold the same sequence. Either you started "
+    (dict(finish=_every_eos, num_candidates=sys.maxsize), "every candidate ending in eos became a finished "
+     "hypothesis; only those ranked among the best num_beams candidates of the step do (the others are dropped)."),
+    (dict(num_beams=1), "your search is greedy decoding: all beams hold the same sequence. Either you started "
      "with num_beams copies of the prompt (every candidate then appears num_beams times and the copies fill "
      "every beam: start with ONE beam, the prompt), or you kept a single beam (keep the num_beams best "
      "candidates each step)."),
 ]
+"""Each known mistake is the package's one beam search with one of its decisions replaced
+(:func:`gptlab.generation.beam_search_fn`'s ``score``, ``final_score`` or ``finish``, with every
+candidate seen so that a low-ranked eos can finish), or run with one beam: greedy decoding."""
 
 
 def _beam_diagnosis(runs: list, first: tuple) -> str:
-    """Name the mistake: the known variant that gives the learner's answers on every case (else on
+    """Name the mistake: the known one that gives the learner's answers on every case (else on
     the first wrong one)."""
     what, toy, prompt, nb, n, lp, got, want = first
     if got[: len(prompt)] != list(prompt):
@@ -656,18 +642,25 @@ def _beam_diagnosis(runs: list, first: tuple) -> str:
     if toy.eos in new[:-1]:
         return "a hypothesis went on after eos: a beam that emits eos_token_id is finished."
 
-    def agreements(kw) -> int:
-        """On how many cases the variant gives the learner's answer (0 unless the first wrong one)."""
+    def agreements(mistake: dict) -> int:
+        """On how many cases the mistake gives the learner's answer (0 unless the first wrong one)."""
         try:
-            if first[6] != _variant(toy, prompt, nb, n, toy.eos, lp, **kw):
+            if first[6] != _mistaken(first, mistake):
                 return 0
-            return sum(r[6] == _variant(r[1], r[2], r[3], r[4], r[1].eos, r[5], **kw) for r in runs)
+            return sum(r[6] == _mistaken(r, mistake) for r in runs)
         except Exception:
             return 0
 
-    # the variant that agrees on most cases (exact ties between candidates may be broken differently)
+    # the mistake that agrees on most cases (exact ties between candidates may be broken differently)
     counts = [agreements(kw) for kw, _ in _BEAM_MISTAKES]
     if max(counts) > 0:
         return _BEAM_MISTAKES[counts.index(max(counts))][1]
     return ("none of the usual ones; compare each step with the recipe: score candidates by summed "
             "log-probabilities, finish eos candidates ranked in the top num_beams, keep the num_beams best others.")
+
+
+def _mistaken(run: tuple, mistake: dict) -> list[int]:
+    """The answer to the case of ``run`` with the known ``mistake`` (an entry of :data:`_BEAM_MISTAKES`) made."""
+    what, toy, prompt, nb, n, lp, got, want = run
+    return reference_beam_search(toy, prompt, **(dict(num_beams=nb, max_new_tokens=n, eos_token_id=toy.eos,
+                                                      length_penalty=lp) | mistake))
