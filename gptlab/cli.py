@@ -339,6 +339,9 @@ def _bench_generate_arguments(parser) -> None:
                         help="model width (GPT-2 Mini: 384; a small width such as 48 makes the matrix products "
                              "negligible, so the figures show the per-step overhead alone)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
+    parser.add_argument("--compile", action="store_true",
+                        help="add gptlab_compiled: generate(compile=True), the decode step through torch.compile "
+                             "(its compile time is reported on its own)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 31 tokens, 1 round, short sweep")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", default="bench_generate.png", metavar="PATH",

@@ -1,6 +1,7 @@
 """The compiled decode step (gptlab.fast.compiled, ``compile=True``): the model's own decode through
 ``torch.compile`` gives the eager logits (to float rounding) and the same tokens, in generate (a
-left-padded batch: positions and padding mask in the graph), stream and speculative decoding.
+left-padded batch: positions and padding mask in the graph), stream, beam search and speculative
+decoding.
 
 On this project's CPU machines ``torch.compile`` writes and builds C++ (gcc): the first call of
 each test compiles for 10-40 s on 2 cores, hence ``slow``."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptlab import generate, speculative_generate, stream
+from gptlab import beam_search, generate, speculative_generate, stream
 from gptlab.fast.compiled import compiled_decode, decode_step
 from gptlab.generation import GenerationConfig
 from gptlab.kvcache import StaticKVCache
@@ -57,6 +58,8 @@ def test_compiled_generation_gives_the_same_tokens():
     assert torch.equal(got, want)
     streamed = torch.cat(list(stream(model, prompts, 12, temperature=0, attention_mask=mask, compile=True)), dim=1)
     assert torch.equal(streamed, want[:, prompts.shape[1]:])
+    beams = beam_search(model, prompts, 6, 3, attention_mask=mask, fast=False)  # the cache reordered each step
+    assert torch.equal(beam_search(model, prompts, 6, 3, attention_mask=mask, compile=True), beams)
 
 
 @pytest.mark.slow

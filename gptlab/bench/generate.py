@@ -27,7 +27,10 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
   packed ones for each call where a calibration on this machine found them faster
   (:func:`gptlab.fast.cpu.pack_for_decoding`; each call packs afresh, and that time is counted).
   All four run the model's one forward path (:meth:`gptlab.GPT.decode` with a cache). The decode
-  path ``fast=True`` took is printed (:func:`gptlab.fast.cpu.last_plan`).
+  path ``fast=True`` took is printed (:func:`gptlab.fast.cpu.last_plan`);
+* ``gptlab_compiled`` (with ``--compile``): :func:`gptlab.generate` with ``compile=True``, the
+  model's decode step through ``torch.compile`` (:mod:`gptlab.fast.compiled`); its compile time is
+  measured on its own (``compile_s``), before the rounds.
 
 The contenders run interleaved, round after round, and each reports its best round (the least
 disturbed by other processes) and the median; the ratios that matter are computed from the best
@@ -61,17 +64,17 @@ def mini_model(seed: int = 0, n_embd: int = 384):
     return GPT(cfg).eval()
 
 
-def _contenders(model, hf, n_new: int, device) -> dict:
+def _contenders(model, hf, n_new: int, device, compiled: bool = False) -> dict:
     parts = 2 * torch.get_num_threads() if torch.device(device).type == "cpu" else 1
 
     idx = torch.zeros(1, 1, dtype=torch.long, device=device)
     ones = torch.ones_like(idx)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
-    def gptlab(cache: str | None, fast: bool = True):
+    def gptlab(cache: str | None, fast: bool = True, compile: bool = False):
         def f(n=n_new):
             out = generate(model, idx, n, temperature=0, use_cache=cache is not None, cache=cache or "static",
-                           fast=fast)
+                           fast=fast, compile=compile)
             sync()
             return out
         return f
@@ -132,7 +135,18 @@ def _contenders(model, hf, n_new: int, device) -> dict:
     out["gptlab_concat"] = gptlab("concat")
     out["gptlab_static_fwd"] = gptlab("static", fast=False)
     out["gptlab_cached"] = gptlab("static")
+    if compiled:
+        out["gptlab_compiled"] = gptlab("static", compile=True)
     return out
+
+
+def _compile_time(f, n: int) -> float:
+    """Seconds the first call of the compiled contender takes beyond a later one (its compiling;
+    torch.compile's on-disk cache makes it shorter on a second run). Printed."""
+    first = _time(f, n)
+    compile_s = max(0.0, first - _time(f, n))
+    print(f"gptlab_compiled: compiled in {compile_s:.1f} s (first call {first:.1f} s)")
+    return compile_s
 
 
 def _time(f, n: int) -> float:
@@ -163,7 +177,7 @@ def _same_tokens(fns: dict) -> tuple[dict, object]:
     plan = last_plan()  # what fast=True ran (the first call calibrates this machine if it has to)
     print(f"decode path of gptlab_cached (fast=True), from {calibration_path()}:")
     print("  " + (plan.describe().replace("\n", "\n  ") if plan is not None else "none recorded"))
-    for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached"):
+    for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached", "gptlab_compiled"):
         if name in fns:
             same[name] = bool(torch.equal(fns[name](), ref))
     return same, plan
@@ -199,7 +213,8 @@ def _ratios_and_targets(results: dict) -> tuple[dict, str, dict]:
     pairs = [("gptlab_cached", "hf_cached"), ("gptlab_cached", "bare_matvec"), ("gptlab_cached", "bare_matvec_split"),
              ("bare_matvec_split", "bare_matvec"), ("bare_matvec_split", "bare_matvec_blocks_bmm"),
              ("gptlab_cached", "gptlab_uncached"), ("gptlab_static_fwd", "hf_cached"),
-             ("gptlab_uncached", "hf_uncached"), ("hf_cached", "bare_matvec")]
+             ("gptlab_uncached", "hf_uncached"), ("hf_cached", "bare_matvec"), ("gptlab_compiled", "gptlab_cached"),
+             ("gptlab_compiled", "gptlab_static_fwd")]
     ratios = {f"{a} / {b}": _ratio(results, a, b) for a, b in pairs}
     print()
     for k, v in ratios.items():
@@ -255,7 +270,8 @@ def run(args) -> int:
     print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
           f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
 
-    fns = _contenders(model, hf, n_new, device)
+    fns = _contenders(model, hf, n_new, device, compiled=args.compile)
+    compile_s = _compile_time(fns["gptlab_compiled"], n_new) if args.compile else None
     same, plan = _same_tokens(fns)
     for f in fns.values():  # warm-up
         f(4)
@@ -277,6 +293,7 @@ def run(args) -> int:
             "floor": floor,
             "targets_met": targets,
             "same_tokens": same,
+            "compile_s": compile_s,
             "decode_path": None if plan is None else {"path": plan.path, "packed": len(plan.packed),
                                                       "plain": len(plan.plain), "description": plan.describe()},
             "sweep": {"lengths": lengths, "tokens_per_s": sweep},

@@ -10,6 +10,9 @@ one job and puts the originals back after, the pattern of gpt-fast's ``quantize.
   timing both products on this CPU (:func:`~gptlab.fast.cpu.calibrate`). :func:`gptlab.generate`,
   :func:`gptlab.stream`, :func:`gptlab.beam_search` and :func:`gptlab.speculative_generate` use it
   with ``fast=True``.
+* :mod:`gptlab.fast.compiled`: the model's own decode step through ``torch.compile``
+  (:func:`~gptlab.fast.compiled.compiled_decode`), the GPU's fast path; the same four decoders use
+  it with ``compile=True``.
 """
 
 from .cpu import PackedLinear, Plan, calibrate, decode_plan, last_plan, pack_for_decoding, packed_layers

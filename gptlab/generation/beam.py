@@ -57,7 +57,7 @@ def beam_search(model, idx: Tensor, max_new_tokens: int | None = None, num_beams
             used: beam search scores log-probabilities).
         attention_mask: (B, T), 1 = real token, 0 = left padding.
         **settings: other fields of :class:`GenerationConfig`: ``pad_token_id``, ``use_cache``,
-            ``early_stopping``, ``fast`` (as in :func:`gptlab.generate`).
+            ``early_stopping``, ``fast``, ``compile`` (as in :func:`gptlab.generate`).
 
     Each step extends every live beam by every token, scores candidates by their summed
     log-probabilities, and keeps the best ``max(2, 1 + #eos) * num_beams``; of those, the ones in
@@ -84,8 +84,9 @@ def beam_search(model, idx: Tensor, max_new_tokens: int | None = None, num_beams
     eos = eos_tensor(config.eos_token_id, model.config.vocab_size, idx.device)
     fill = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos is not None else 0)
     flat_mask = None if mask is None else mask.repeat_interleave(nb, dim=0)
-    with EvalMode(model), torch.inference_mode(), fast_path(model, config.fast, max_new_tokens):
-        runner = Runner(model, B * nb, T, total, flat_mask, config.use_cache, "static", idx.device)
+    with EvalMode(model), torch.inference_mode(), fast_path(model, config.packs, max_new_tokens):
+        runner = Runner(model, B * nb, T, total, flat_mask, config.use_cache, "static", idx.device,
+                        compile=config.compile)
         hyps = _search(runner, idx, _Search.of(config, eos), total, eos, fill)
     return _best(hyps, T)
 
