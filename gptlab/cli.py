@@ -143,7 +143,7 @@ def _sample_config(args) -> GenerationConfig:
     if args.draft is not None and args.repetition_penalty is not None:
         raise _UsageError("--repetition-penalty is not supported with --draft (speculative decoding "
                           "applies --temperature, --top-k and --top-p only)")
-    return GenerationConfig(sampling=sampling, num_draft_tokens=args.num_draft_tokens)
+    return GenerationConfig(sampling=sampling, num_draft_tokens=args.num_draft_tokens, compile=args.compile)
 
 
 def _load(path: str, what: str, device):
@@ -294,6 +294,9 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
                         "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
                    help="guesses per round with --draft (default: %(default)s)")
+    p.add_argument("--compile", action="store_true",
+                   help="run the decode steps through torch.compile (worth it on a GPU; the first sample "
+                        "waits for the compiling)")
 
 
 # --------------------------------------------------------------------------- python -m gptlab bench

@@ -68,9 +68,9 @@ def test_row_split_linear_equals_f_linear(shape, bias, bag, monkeypatch):
         row_blocks(w, b, 0)
 
 
-def test_blocks_product_uses_the_embedding_bag_for_one_vector(monkeypatch):
-    """One vector's product is the embedding-bag sum (the fast kernel for it), several vectors'
-    the batched product; both equal F.linear (checked above)."""
+def test_blocks_product_uses_the_embedding_bag_for_a_few_vectors(monkeypatch):
+    """Up to BAG_MAX_ROWS vectors' product is the embedding-bag sum (the fast kernel for them), more
+    vectors' the batched product; both equal F.linear (checked above)."""
     assert cpu.EMBEDDING_BAG_PRODUCT == ("fbgemm" in torch.backends.quantized.supported_engines)
     monkeypatch.setattr(cpu, "EMBEDDING_BAG_PRODUCT", True)
     used = []
@@ -81,10 +81,14 @@ def test_blocks_product_uses_the_embedding_bag_for_one_vector(monkeypatch):
     blocks = row_blocks(w, b, 4)
     blocks_product(torch.randn(1, 1, 32), blocks)
     assert used == ["embedding_bag"]
-    blocks_product(torch.randn(1, 3, 32), blocks)
-    assert used == ["embedding_bag", "baddbmm"]
-    blocks_product(torch.randn(2, 32), row_blocks(w, None, 4))
-    assert used == ["embedding_bag", "baddbmm", "bmm"]
+    blocks_product(torch.randn(1, cpu.BAG_MAX_ROWS, 32), blocks)
+    assert used == ["embedding_bag"] * 2
+    blocks_product(torch.randn(1, cpu.BAG_MAX_ROWS + 1, 32), blocks)
+    assert used == ["embedding_bag"] * 2 + ["baddbmm"]
+    blocks_product(torch.randn(cpu.BAG_MAX_ROWS + 1, 32), row_blocks(w, None, 4))
+    assert used[-1] == "bmm"
+    with pytest.raises(ValueError, match="at most BAG_MAX_ROWS"):
+        cpu.bag_product(torch.randn(cpu.BAG_MAX_ROWS + 1, 32), blocks)
     monkeypatch.setattr(cpu, "EMBEDDING_BAG_PRODUCT", False)  # no FBGEMM (an Arm CPU)
     blocks_product(torch.randn(1, 1, 32), blocks)
     assert used[-1] == "baddbmm"

@@ -67,6 +67,10 @@ __all__ = [
 ]
 
 ROW_SPLIT_MAX_ROWS = 32  # packed products for at most this many input vectors (decode steps, short chunks)
+# Up to this many vectors, one embedding-bag call (P bags per vector); more: one batched product.
+# A batched BLAS product of 1-3 vectors per block ran 2-3x slower than of 4 on the AMD EPYC
+# measured (``torch.bmm`` picks another kernel below 4 rows), the bag no slower than linear in n.
+BAG_MAX_ROWS = 3
 # Weights with fewer numbers (64 KB in float32) stay plain without being timed: they sit in the
 # caches between tokens and their product takes a few microseconds, mostly the call itself.
 SMALLEST_MEASURED = 1 << 14
@@ -88,6 +92,8 @@ class RowBlocks(NamedTuple):
     out_features: int  # out <= P * part: the last block is padded with zero rows
     indices: Tensor  # (P * in,) int64: 0, 1, ..., P*in - 1, every row of every block, in order
     offsets: Tensor  # (P,) int64: 0, in, 2 in, ..., where each block's rows start
+    many_indices: Tensor  # (BAG_MAX_ROWS * P * in,) int64: ``indices`` once per vector, for up to BAG_MAX_ROWS
+    many_offsets: Tensor  # (BAG_MAX_ROWS * P,) int64: where each (vector, block) bag starts
 
 
 def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
@@ -112,37 +118,49 @@ def row_blocks(weight: Tensor, bias: Tensor | None, parts: int) -> RowBlocks:
             bias_blocks = bias_blocks.view(parts, 1, part)
     indices = torch.arange(parts * inp, device=weight.device)
     offsets = torch.arange(0, parts * inp, max(inp, 1), device=weight.device)
-    return RowBlocks(blocks, bias_blocks, out, indices, offsets)
+    # a bag per block per vector: the first n * P bags serve n vectors (prefixes, no copy)
+    many_offsets = torch.arange(0, BAG_MAX_ROWS * parts * inp, max(inp, 1), device=weight.device)
+    return RowBlocks(blocks, bias_blocks, out, indices, offsets, indices.repeat(BAG_MAX_ROWS), many_offsets)
 
 
 def blocks_product(x: Tensor, blocks: RowBlocks) -> Tensor:
     """``F.linear(x, weight, bias)`` from the packed weight of :func:`row_blocks`: x (..., in) ->
     (..., out), the P blocks in one call that spreads them over the cores.
 
-    One vector (a batch-1 decode step, the case that matters) runs :func:`bag_product` where
-    FBGEMM's embedding-bag kernel exists (``EMBEDDING_BAG_PRODUCT``: x86 CPUs); several vectors, or
-    one where that kernel is missing, run :func:`batched_product`. ``python -m gptlab bench
-    generate`` measures both on one vector.
+    Up to ``BAG_MAX_ROWS`` vectors (a batch-1 decode step, the case that matters, and speculative
+    decoding's short verifications) run :func:`bag_product` where FBGEMM's embedding-bag kernel
+    exists (``EMBEDDING_BAG_PRODUCT``: x86 CPUs); more vectors, or where that kernel is missing,
+    run :func:`batched_product`. ``python -m gptlab bench generate`` measures both on one vector.
     """
-    if EMBEDDING_BAG_PRODUCT and x.numel() == blocks.weight.shape[1] > 0:
+    inp = blocks.weight.shape[1]
+    if EMBEDDING_BAG_PRODUCT and inp > 0 and 0 < x.numel() <= BAG_MAX_ROWS * inp:
         return bag_product(x, blocks)
     return batched_product(x, blocks)
 
 
 def bag_product(x: Tensor, blocks: RowBlocks) -> Tensor:
-    """One vector's product from the packed blocks: x (..., in) holding one vector -> (..., out).
+    """A few vectors' product from the packed blocks: x (..., in) holding n <= ``BAG_MAX_ROWS``
+    vectors -> (..., out).
 
     ``y = sum_i x_i W^T[i, :]`` is a weighted sum of the rows of ``W^T``, exactly what
-    ``torch.embedding_bag`` computes (mode sum with ``per_sample_weights``, one bag per block). Its
-    kernel streams the table from memory several times faster than a BLAS matrix-vector product on
-    the CPUs measured, and a decode step spends most of its time reading weights.
+    ``torch.embedding_bag`` computes (mode sum with ``per_sample_weights``, one bag per block and
+    vector). Its kernel streams the table from memory several times faster than a BLAS
+    matrix-vector product on the CPUs measured, and a decode step spends most of its time reading
+    weights.
     """
     w = blocks.weight
     P, inp, part = w.shape
-    weights = torch.cat([x.reshape(inp)] * P)  # (P * in,): x once per block
-    y = torch.embedding_bag(w.view(P * inp, part), blocks.indices, blocks.offsets, per_sample_weights=weights)[0]
-    if blocks.bias is not None:  # y (P, part) is a new tensor: add in place
-        y = y.add_(blocks.bias.view(P, part))
+    n = x.numel() // inp
+    if n > BAG_MAX_ROWS:
+        raise ValueError(f"bag_product takes at most BAG_MAX_ROWS={BAG_MAX_ROWS} vectors, got {n}")
+    if n == 1:  # the decode step: x once per block
+        weights, indices, offsets = torch.cat([x.reshape(inp)] * P), blocks.indices, blocks.offsets
+    else:  # (n * P * in,): each vector once per block
+        weights = x.reshape(n, 1, inp).expand(n, P, inp).reshape(-1)
+        indices, offsets = blocks.many_indices[: n * P * inp], blocks.many_offsets[: n * P]
+    y = torch.embedding_bag(w.view(P * inp, part), indices, offsets, per_sample_weights=weights)[0]  # (n * P, part)
+    if blocks.bias is not None:  # y (n * P, part) is a new tensor: add in place
+        y = y.view(n, P, part).add_(blocks.bias.view(P, part))
     y = y.view(*x.shape[:-1], P * part)
     return y if P * part == blocks.out_features else y.narrow(-1, 0, blocks.out_features)
 
