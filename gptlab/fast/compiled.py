@@ -21,27 +21,51 @@ own cache (on disk too), so a second call in a process, or a second process, com
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 from torch import Tensor
+from torch._dynamo.exc import BackendCompilerFailed
 
-__all__ = ["compiled_decode", "decode_step"]
+__all__ = ["compiled_decode", "decode_step", "CompileFallbackWarning"]
 
 # One compiled function per model class (its graphs are specialised per model by torch.compile's
 # guards); holding the unbound method keeps no model alive.
-_COMPILED: dict[type, Callable[..., Tensor]] = {}
+_COMPILED: dict[type, Callable[..., Tensor] | None] = {}  # None: compiling failed here
+
+
+class CompileFallbackWarning(RuntimeWarning):
+    """``compile=True`` could not compile on this machine; the decode runs eagerly (the same tokens)."""
 
 
 def compiled_decode(model) -> Callable[..., Tensor]:
     """``model.decode`` compiled: ``f(idx (B, T), kv_cache, **kw) -> logits``, the arguments and
     results of :meth:`gptlab.GPT.decode`. Compiles on its first calls (seconds to a minute on a
-    CPU), then reuses the graphs."""
+    CPU), then reuses the graphs.
+
+    Where the compiler's back end fails (no C++ compiler, no Triton, or a code generator bug such
+    as torch 2.13's under ``ATEN_CPU_CAPABILITY=default``), the step runs eagerly from then on in
+    this process, after one :class:`CompileFallbackWarning` saying why: the failure happens while
+    compiling, before the step ran, so nothing (the cache included) is half done.
+    """
     cls = type(model)
-    fn = _COMPILED.get(cls)
-    if fn is None:
-        fn = _COMPILED[cls] = torch.compile(cls.decode, dynamic=True)
-    return lambda idx, kv_cache, **kw: fn(model, idx, kv_cache, **kw)
+    if cls not in _COMPILED:
+        _COMPILED[cls] = torch.compile(cls.decode, dynamic=True)
+
+    def step(idx: Tensor, kv_cache, **kw) -> Tensor:
+        compiled = _COMPILED.get(cls)
+        if compiled is not None:
+            try:
+                return compiled(model, idx, kv_cache, **kw)
+            except BackendCompilerFailed as e:
+                _COMPILED[cls] = None
+                reason = str(e).strip().splitlines()
+                warnings.warn(f"compile=True: torch.compile failed on this machine ({' '.join(reason[:2])[:300]}); "
+                              "decoding without compiling", CompileFallbackWarning, stacklevel=2)
+        return model.decode(idx, kv_cache, **kw)
+
+    return step
 
 
 def decode_step(model, compile: bool = False) -> Callable[..., Tensor]:
