@@ -36,6 +36,7 @@ from .course.autograde import autograde, missing_summary
 from .course.collect import collect
 from .data import DEFAULT_FETCH, prepare_char_data
 from .device import pick_device
+from .fast import native
 from .generation import GenerationConfig, generate, speculative_generate, stream
 from .interop import smollm
 from .sampling import SamplingConfig
@@ -342,6 +343,9 @@ def _bench_generate_arguments(parser) -> None:
                         help="model width (GPT-2 Mini: 384; a small width such as 48 makes the matrix products "
                              "negligible, so the figures show the per-step overhead alone)")
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers contenders")
+    parser.add_argument("--no-native", action="store_true",
+                        help="do not build the C++ decode step (python -m gptlab build-native); gptlab_cached then "
+                             "runs it only if it was built before")
     parser.add_argument("--compile", action="store_true",
                         help="add gptlab_compiled: generate(compile=True), the decode step through torch.compile "
                              "(its compile time is reported on its own)")
@@ -666,6 +670,25 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
                         "--set norm=rmsnorm; repeatable")
 
 
+# --------------------------------------------------------------------------- python -m gptlab build-native
+
+
+def _build_native_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+
+
+def cmd_build_native(args: argparse.Namespace) -> int:
+    """``python -m gptlab build-native``: build the C++ decode step; exit 1, saying why, where it cannot."""
+    try:
+        seconds = native.build(verbose=args.verbose)
+    except native.NativeBuildError as e:
+        print(f"python -m gptlab build-native: {e}", file=sys.stderr)
+        return 1
+    what = "already built" if seconds == 0 else f"built in {seconds:.1f} s"
+    print(f"the C++ decode step is {what}: {native.build_dir()}")
+    return 0
+
+
 # --------------------------------------------------------------------------- the parser and main
 
 # the commands in the order of the help: name -> (the name of the function it runs, None where its subcommands
@@ -691,6 +714,13 @@ _COMMANDS = {
         help="generate text from a trained checkpoint",
         description="Load a checkpoint (model.safetensors + config.json) and stream generated text.")),
     "bench": (None, _bench_arguments, dict(help="run a benchmark (train, generate, speculative, autograde)")),
+    "build-native": ("cmd_build_native", _build_native_arguments, dict(
+        help="build the C++ decode step (opt-in: once built, fast decoding on a CPU uses it)",
+        description="Compile gptlab/fast/decode_step.cpp against the installed PyTorch with this machine's C++ "
+                    "compiler (needs g++ or clang and ninja; tens of seconds, once). It is kept in the gptlab cache "
+                    "($GPTLAB_CACHE/native); from then on generate, stream, beam_search and speculative_generate "
+                    "with fast=True run each one-token step of a batch-1 decode of a GPT-2-style model through "
+                    "it: the same operations, the same numbers, without Python between them.")),
     "course": (None, _course_arguments, dict(
         help="the instructor's workflow: release, collect, autograde, feedback, grades",
         description="The instructor's workflow with nbgrader: release the exercises, collect the "

@@ -7,6 +7,9 @@
   and CI), so the data cache can be seeded offline; the project works without it.
 * Tests marked ``gpu`` are skipped, with the reason, when no CUDA device is available.
 * A test that changes torch's thread count (training with ``num_threads``) gets it restored after.
+* Decoders run the Python decode step even where the C++ one is built in the user's cache
+  (``python -m gptlab build-native``), so a test's path does not depend on what that cache holds;
+  tests marked ``native`` (tests/test_native.py) build it in a folder of their own and use it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,18 @@ def _restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(autouse=True)
+def _python_decode_step(request):
+    """The Python decode step unless the test is marked ``native`` (see the module's docstring)."""
+    if request.node.get_closest_marker("native"):
+        yield
+        return
+    from gptlab.fast import native
+
+    with native.disabled():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -306,8 +306,8 @@ def test_bench_generate_quick_smoke(tmp_path):
     out_json, out_png = tmp_path / "gen.json", tmp_path / "gen.png"
     buf = io.StringIO()
     with redirect_stdout(buf):
-        rc = main(["bench", "generate", "--quick", "--no-hf", "--lengths", "4,8", "--json", str(out_json),
-                   "--plot", str(out_png)])
+        rc = main(["bench", "generate", "--quick", "--no-hf", "--no-native", "--lengths", "4,8",
+                   "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     data = json.loads(out_json.read_text())
     assert data["machine"] and data["machine"] in buf.getvalue()

@@ -40,6 +40,7 @@ def test_wheel_contains_the_package(tmp_path: Path):
     assert {"gptlab/__init__.py", "gptlab/__main__.py", "gptlab/model.py", "gptlab/attention.py"} <= modules
     missing = modules - names
     assert not missing, f"the wheel lacks these package modules: {sorted(missing)}"
+    assert "gptlab/fast/decode_step.cpp" in names, "the wheel lacks the C++ decode step's source (build-native)"
     assert not any(n.startswith(("tests/", "book/", "solutions/", "exercises/")) for n in names)
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names), "the `gptlab` console script is missing"
 

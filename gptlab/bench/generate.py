@@ -28,6 +28,12 @@ Mini (6 layers, 6 heads, 384 wide, vocabulary 65, block 256), batch 1, greedy de
   (:func:`gptlab.fast.cpu.pack_for_decoding`; each call packs afresh, and that time is counted).
   All four run the model's one forward path (:meth:`gptlab.GPT.decode` with a cache). The decode
   path ``fast=True`` took is printed (:func:`gptlab.fast.cpu.last_plan`);
+* ``gptlab_python``: the default path with the C++ decode step turned off
+  (:func:`gptlab.fast.native.disabled`): every step in Python. Unless ``--no-native``, the
+  benchmark first builds the C++ step on this machine (:func:`gptlab.fast.native.build`, kept in
+  the gptlab cache; the build time, when it builds, is reported on its own), so ``gptlab_cached``
+  runs each one-token step through it (:mod:`gptlab.fast.native`: the same operations from C++);
+  the path it took is printed;
 * ``gptlab_compiled`` (with ``--compile``): :func:`gptlab.generate` with ``compile=True``, the
   model's decode step through ``torch.compile`` (:mod:`gptlab.fast.compiled`); its compile time is
   measured on its own (``compile_s``), before the rounds.
@@ -44,10 +50,12 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
+from ..fast import native
 from ..fast.cpu import batched_product, blocks_product, calibration_path, last_plan, row_blocks
 from ..files import atomic_path, atomic_write_json
 from ..generation import generate
@@ -71,10 +79,11 @@ def _contenders(model, hf, n_new: int, device, compiled: bool = False) -> dict:
     ones = torch.ones_like(idx)
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
 
-    def gptlab(cache: str | None, fast: bool = True, compile: bool = False):
+    def gptlab(cache: str | None, fast: bool = True, compile: bool = False, python: bool = False):
         def f(n=n_new):
-            out = generate(model, idx, n, temperature=0, use_cache=cache is not None, cache=cache or "static",
-                           fast=fast, compile=compile)
+            with native.disabled() if python else nullcontext():
+                out = generate(model, idx, n, temperature=0, use_cache=cache is not None, cache=cache or "static",
+                               fast=fast, compile=compile)
             sync()
             return out
         return f
@@ -134,6 +143,7 @@ def _contenders(model, hf, n_new: int, device, compiled: bool = False) -> dict:
     out["gptlab_uncached"] = gptlab(None)
     out["gptlab_concat"] = gptlab("concat")
     out["gptlab_static_fwd"] = gptlab("static", fast=False)
+    out["gptlab_python"] = gptlab("static", python=True)
     out["gptlab_cached"] = gptlab("static")
     if compiled:
         out["gptlab_compiled"] = gptlab("static", compile=True)
@@ -147,6 +157,21 @@ def _compile_time(f, n: int) -> float:
     compile_s = max(0.0, first - _time(f, n))
     print(f"gptlab_compiled: compiled in {compile_s:.1f} s (first call {first:.1f} s)")
     return compile_s
+
+
+def _native_build(skip: bool) -> float | None:
+    """Build the C++ decode step unless ``skip`` (``--no-native``) or built already; the seconds the
+    build took (None: no build now). Printed; a machine that cannot build it runs the Python step."""
+    if skip:
+        print("C++ decode step: not built (--no-native); gptlab_cached runs the Python step")
+        return None
+    try:
+        seconds = native.build()
+    except native.NativeBuildError as e:
+        print(f"C++ decode step: {e}; gptlab_cached runs the Python step")
+        return None
+    print(f"C++ decode step: {'already built' if seconds == 0 else f'built in {seconds:.1f} s'} ({native.build_dir()})")
+    return seconds or None
 
 
 def _time(f, n: int) -> float:
@@ -169,18 +194,21 @@ def _hf_model(model):
     return hf
 
 
-def _same_tokens(fns: dict) -> tuple[dict, object]:
+def _same_tokens(fns: dict) -> tuple[dict, object, str]:
     """Correctness first: whether the cached and uncached paths, and HF, give gptlab_cached's tokens
-    (None: not run); and the decode plan fast=True ran, which is printed."""
+    (None: not run); and the decode plan and step fast=True ran, which are printed."""
     same = {name: None for name in fns}
     ref = fns["gptlab_cached"]()
     plan = last_plan()  # what fast=True ran (the first call calibrates this machine if it has to)
     print(f"decode path of gptlab_cached (fast=True), from {calibration_path()}:")
     print("  " + (plan.describe().replace("\n", "\n  ") if plan is not None else "none recorded"))
-    for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "hf_cached", "gptlab_compiled"):
+    steps = native.last_use()
+    print(f"  steps: {steps}")
+    for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "gptlab_python", "hf_cached",
+                 "gptlab_compiled"):
         if name in fns:
             same[name] = bool(torch.equal(fns[name](), ref))
-    return same, plan
+    return same, plan, steps
 
 
 def _timed_rounds(fns: dict, rounds: int, n_new: int) -> dict:
@@ -211,6 +239,7 @@ def _ratios_and_targets(results: dict) -> tuple[dict, str, dict]:
     floor = max((n for n in ("bare_matvec", "bare_matvec_split") if n in results),
                 key=lambda n: results[n]["tokens_per_s_best"])
     pairs = [("gptlab_cached", "hf_cached"), ("gptlab_cached", "bare_matvec"), ("gptlab_cached", "bare_matvec_split"),
+             ("gptlab_cached", "gptlab_python"), ("gptlab_python", "hf_cached"), ("gptlab_python", "bare_matvec_split"),
              ("bare_matvec_split", "bare_matvec"), ("bare_matvec_split", "bare_matvec_blocks_bmm"),
              ("gptlab_cached", "gptlab_uncached"), ("gptlab_static_fwd", "hf_cached"),
              ("gptlab_uncached", "hf_uncached"), ("hf_cached", "bare_matvec"), ("gptlab_compiled", "gptlab_cached"),
@@ -270,9 +299,10 @@ def run(args) -> int:
     print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
           f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
 
+    build_s = _native_build(args.no_native)
     fns = _contenders(model, hf, n_new, device, compiled=args.compile)
     compile_s = _compile_time(fns["gptlab_compiled"], n_new) if args.compile else None
-    same, plan = _same_tokens(fns)
+    same, plan, steps = _same_tokens(fns)
     for f in fns.values():  # warm-up
         f(4)
     results = _timed_rounds(fns, args.rounds, n_new)
@@ -294,6 +324,8 @@ def run(args) -> int:
             "targets_met": targets,
             "same_tokens": same,
             "compile_s": compile_s,
+            "native": {"steps": steps, "build_s": build_s,
+                       "built": native.is_built()},
             "decode_path": None if plan is None else {"path": plan.path, "packed": len(plan.packed),
                                                       "plain": len(plan.plain), "description": plan.describe()},
             "sweep": {"lengths": lengths, "tokens_per_s": sweep},

@@ -86,7 +86,7 @@ def beam_search(model, idx: Tensor, max_new_tokens: int | None = None, num_beams
     flat_mask = None if mask is None else mask.repeat_interleave(nb, dim=0)
     with EvalMode(model), torch.inference_mode(), fast_path(model, config.packs, max_new_tokens):
         runner = Runner(model, B * nb, T, total, flat_mask, config.use_cache, "static", idx.device,
-                        compile=config.compile)
+                        compile=config.compile, fast=config.packs)
         hyps = _search(runner, idx, _Search.of(config, eos), total, eos, fill)
     return _best(hyps, T)
 

@@ -22,8 +22,10 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
   swapped for ones that multiply by a copy of their weights packed in row blocks, every core
   streaming its own, wherever a calibration found that faster on this machine
   (:func:`gptlab.fast.cpu.pack_for_decoding`); the originals are back when the call returns. A
-  batch-1 step's time goes mostly into reading the weights, so this is what makes it fast.
-  ``fast=False`` runs the model as it is. ``python -m gptlab bench generate`` measures both.
+  batch-1 step's time goes mostly into reading the weights, so this is what makes it fast. Where
+  the C++ decode step has been built on this machine (``python -m gptlab build-native``), each
+  one-token step of a batch-1 decode runs the same operations from C++
+  (:mod:`gptlab.fast.native`). ``fast=False`` runs the model as it is. ``python -m gptlab bench generate`` measures both.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.
@@ -40,6 +42,7 @@ from torch import Tensor
 
 from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding, packed_layers
+from ..fast.native import native_decode
 from ..kvcache import make_cache
 from ..model import check_token_ids
 from .config import GenerationConfig, check_pad, eos_tensor
@@ -76,12 +79,14 @@ class Runner:
     """
 
     def __init__(self, model, batch: int, prompt_len: int, total_len: int, mask: Tensor | None,
-                 use_cache: bool, cache_impl: str, device, compile: bool = False):
+                 use_cache: bool, cache_impl: str, device, compile: bool = False, fast: bool = False):
         self.model = model
         self.decode = decode_step(model, compile and use_cache)  # model.decode, or compiled (gptlab.fast.compiled)
         self.block_size = model.config.block_size
         self.max_len = min(total_len, self.block_size)
         self.cache = make_cache(model, batch, self.max_len, cache_impl) if use_cache else None
+        if fast and self.cache is not None:  # one-token steps in C++ where built (gptlab.fast.native)
+            self.decode = native_decode(model, self.cache, self.decode)
         self.mask = self.positions = None
         if mask is not None:
             full = torch.ones(batch, total_len, dtype=torch.long, device=device)
@@ -157,7 +162,7 @@ def _steps(
     eos = eos_tensor(config.eos_token_id, V, device)
     pad = config.pad_token_id if config.pad_token_id is not None else (int(eos[0]) if eos is not None else None)
     runner = Runner(model, B, prompt_len, prompt_len + n, mask, config.use_cache, config.cache, device,
-                    compile=config.compile)
+                    compile=config.compile, fast=config.packs)
     done = torch.zeros(B, 1, dtype=torch.bool, device=device) if eos is not None else None
     for cur in range(prompt_len, prompt_len + n):
         logits = runner.logits(out, cur)  # (B, V)

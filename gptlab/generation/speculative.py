@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding
+from ..fast.native import native_decode
 from ..kvcache import StaticKVCache
 from ..model import GPT, check_token_ids
 from ..sampling import sample_from_probs
@@ -381,6 +382,8 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
     tcache = StaticKVCache.for_model(target, 1, end)
     dcache = StaticKVCache.for_model(draft, 1, end)
     tdecode, ddecode = decode_step(target, config.compile), decode_step(draft, config.compile)
+    if config.packs:  # the draft's one-token steps in C++ where built (gptlab.fast.native)
+        tdecode, ddecode = native_decode(target, tcache, tdecode), native_decode(draft, dcache, ddecode)
     if n > 1:  # prefill everything but the last prompt token, which opens round one
         tdecode(seq[None, : n - 1], tcache)
         ddecode(seq[None, : n - 1], dcache)

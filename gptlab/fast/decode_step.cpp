@@ -1,0 +1,117 @@
+// One batch-1 decode step of a GPT-2-style gptlab model, in C++: the same PyTorch operations, in
+// the same order, on the same tensors as gptlab.GPT.decode with a StaticKVCache and the packed
+// layers of gptlab.fast.cpu, called from C++ instead of from Python.
+//
+// Why: a decode step of a small model is a few hundred small operations; from Python each one
+// costs its own trip through the interpreter and PyTorch's argument parsing. Called from here,
+// they go straight to PyTorch's dispatcher. Nothing is computed differently: the model, its
+// weights, the packed copies and the cache are the ones the Python step uses (gptlab/fast/native.py
+// hands them over once per decode), so the logits are the same numbers.
+
+#include <torch/extension.h>
+
+#include <cmath>
+#include <vector>
+
+namespace {
+
+// One linear layer: y = x W^T + b for x (1, in) -> (1, out).
+struct Product {
+  bool packed;      // packed row blocks (gptlab.fast.cpu.row_blocks) or the plain weight
+  at::Tensor a;     // packed: the blocks viewed as an embedding table (P * in, part); plain: W (out, in)
+  at::Tensor bias;  // packed: (P, part); plain: (out,); undefined: no bias
+  at::Tensor indices, offsets;  // packed: one bag per block (gptlab.fast.cpu.RowBlocks)
+  int64_t parts, in, out;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (!packed) return at::linear(x, a, bias);
+    // gptlab.fast.cpu.bag_product for one vector: x once per block as the bag's weights
+    std::vector<at::Tensor> copies(parts, x.reshape({in}));
+    at::Tensor y = std::get<0>(at::embedding_bag(a, indices, offsets, false, 0, false, at::cat(copies)));
+    int64_t part = y.size(1);
+    if (bias.defined()) y = y.view({1, parts, part}).add_(bias);
+    y = y.view({1, parts * part});
+    return parts * part == out ? y : y.narrow(-1, 0, out);
+  }
+};
+
+struct Layer {
+  at::Tensor ln1_w, ln1_b, ln2_w, ln2_b;  // ln biases undefined where the model has none
+  Product attn, attn_proj, fc, mlp_proj;
+  at::Tensor k, v;  // this layer's cache (1, n_head, max_len, head_dim), written in place
+};
+
+at::Tensor optional(const at::Tensor& t) { return t.numel() ? t : at::Tensor(); }
+
+class Decoder {
+ public:
+  // tensors: wte, wpe, ln_f weight, ln_f bias, the cache's k and v (n_layer, 1, nh, max_len, hd),
+  // then per layer ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, and per linear layer (the
+  // layers' four, then lm_head) four tensors: a, bias, indices, offsets; an empty tensor stands for
+  // none. n: n_layer, n_head, head_dim, then per linear layer packed (0/1), parts, in, out.
+  // eps: the layer norms' epsilon.
+  Decoder(const std::vector<at::Tensor>& t, const std::vector<int64_t>& n, double eps)
+      : n_layer_(n[0]), n_head_(n[1]), head_dim_(n[2]), eps_(eps) {
+    wte_ = t[0], wpe_ = t[1], lnf_w_ = t[2], lnf_b_ = optional(t[3]);
+    at::Tensor k = t[4], v = t[5];
+    size_t ti = 6, ni = 3;
+    auto product = [&]() {
+      Product p{n[ni] != 0, t[ti], optional(t[ti + 1]), t[ti + 2], t[ti + 3], n[ni + 1], n[ni + 2], n[ni + 3]};
+      ti += 4, ni += 4;
+      return p;
+    };
+    for (int64_t l = 0; l < n_layer_; ++l) {
+      Layer L;
+      L.ln1_w = t[ti], L.ln1_b = optional(t[ti + 1]), L.ln2_w = t[ti + 2], L.ln2_b = optional(t[ti + 3]);
+      ti += 4;
+      L.attn = product(), L.attn_proj = product(), L.fc = product(), L.mlp_proj = product();
+      L.k = k.select(0, l), L.v = v.select(0, l);
+      layers_.push_back(L);
+    }
+    lm_head_ = product();
+  }
+
+  // idx (1, 1) int64, the token at position pos (the cache holds positions 0 .. pos - 1)
+  // -> next-token logits (1, V); writes the token's keys and values at slot pos.
+  bool math_attention_ = false;
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
+    const int64_t L = k.size(2);
+    at::Tensor s = at::bmm(q.view({n_head_, 1, head_dim_}), k.view({n_head_, L, head_dim_}).transpose(1, 2));
+    s.mul_(1.0 / std::sqrt(static_cast<double>(head_dim_)));
+    return at::bmm(at::softmax(s, -1), v.view({n_head_, L, head_dim_}));
+  }
+
+  at::Tensor step(const at::Tensor& idx, int64_t pos) const {
+    const int64_t C = n_head_ * head_dim_;
+    at::Tensor x = at::embedding(wte_, idx).view({1, C}) + wpe_.narrow(0, pos, 1);
+    for (const Layer& L : layers_) {
+      at::Tensor h = at::layer_norm(x, {C}, L.ln1_w, L.ln1_b, eps_);
+      auto qkv = L.attn(h).view({1, 3, n_head_, 1, head_dim_}).unbind(1);  // q, k, v (1, nh, 1, hd)
+      L.k.narrow(2, pos, 1).copy_(qkv[1]);
+      L.v.narrow(2, pos, 1).copy_(qkv[2]);
+      at::Tensor y = math_attention_
+          ? attend(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1))
+          : at::scaled_dot_product_attention(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1));
+      x = x + L.attn_proj(y.reshape({1, C}));
+      h = at::layer_norm(x, {C}, L.ln2_w, L.ln2_b, eps_);
+      x = x + L.mlp_proj(at::gelu(L.fc(h), "tanh"));
+    }
+    return lm_head_(at::layer_norm(x, {C}, lnf_w_, lnf_b_, eps_));
+  }
+
+ private:
+  int64_t n_layer_, n_head_, head_dim_;
+  double eps_;
+  at::Tensor wte_, wpe_, lnf_w_, lnf_b_;
+  std::vector<Layer> layers_;
+  Product lm_head_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Decoder>(m, "Decoder")
+      .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, double>())
+      .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def_readwrite("math_attention", &Decoder::math_attention_);
+}

@@ -1,0 +1,260 @@
+"""A batch-1 decode step in C++ (``decode_step.cpp``): the same PyTorch operations as the model's
+Python step, without Python between them. Built once per machine, opt-in; used by ``fast=True``
+once built.
+
+Why. With the weights streaming fast (:mod:`gptlab.fast.cpu`), what is left of a small model's
+decode step on a CPU is a few hundred small operations (norms, adds, views, one query's
+attention), and from Python each costs about a microsecond of interpreter and argument parsing
+on top of its work: GPT-2 Mini's step spends about half its time there. ``decode_step.cpp`` makes
+the same calls, in the same order, on the same tensors (the model's weights, the packed copies
+:class:`~gptlab.fast.cpu.PackedLinear` made, the :class:`~gptlab.kvcache.StaticKVCache`'s
+buffers, written in place), from C++: the logits are the same numbers, and a step costs the
+operations' own work. (``torch.compile`` is the other way to drop the Python; on the CPUs measured
+its generated code was slower than these kernels, see :mod:`gptlab.fast.compiled`.)
+
+How it is used.
+
+* :func:`build` compiles ``decode_step.cpp`` against the installed PyTorch with the machine's C++
+  compiler (``python -m gptlab build-native``; tens of seconds, once: the library is kept under
+  ``cache_dir() / "native"``, per PyTorch version and source). It needs a C++ compiler and ninja.
+* Once built, :func:`gptlab.generate`, :func:`gptlab.stream`, :func:`gptlab.beam_search` and
+  :func:`gptlab.speculative_generate` with ``fast=True`` (the default) run each one-token step of a
+  batch-1 decode through it, wherever the model is one it reproduces exactly (:func:`why_not`: a
+  :class:`gptlab.GPT` of GPT-2's architecture, float32 on the CPU, in eval mode, with no hooks).
+  Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, RoPE,
+  RMSNorm, grouped-query attention, a forward hook) runs the Python step, :meth:`gptlab.GPT.decode`.
+  Nothing is ever built behind the learner's back: without a build, everything runs in Python.
+
+:func:`last_use` says whether the last decode of this process ran it, and if not, why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.machinery
+import importlib.util
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as m
+from torch import Tensor
+
+from ..assets import cache_dir
+from ..attention import CausalSelfAttention
+from ..kvcache import StaticKVCache
+from ..layers import MLP, LayerNorm
+from ..model import GPT, Block
+from .cpu import PackedLinear
+
+__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "NativeBuildError"]
+
+SOURCE = Path(__file__).with_name("decode_step.cpp")
+
+
+class NativeBuildError(RuntimeError):
+    """``decode_step.cpp`` could not be built here (no C++ compiler, no ninja, a compiler error)."""
+
+
+@functools.cache
+def _name() -> str:
+    """The extension's name: the source's hash and the PyTorch version (a library is built for one)."""
+    h = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    return f"gptlab_decode_{h}"
+
+
+def build_dir() -> Path:
+    """Where the built library lives: ``cache_dir() / "native" / <name>`` (``$GPTLAB_CACHE``)."""
+    return cache_dir() / "native" / _name()
+
+
+_MODULE: dict[str, Any] = {}  # name -> the loaded extension module (a process loads it once)
+
+
+def _library() -> Path | None:
+    """The built library's file in :func:`build_dir`, if any."""
+    found = sorted(build_dir().glob(f"{_name()}*.so")) + sorted(build_dir().glob(f"{_name()}*.pyd"))
+    return found[0] if found else None
+
+
+def _module() -> Any | None:
+    """The built extension, loaded (None when :func:`build_dir` holds no build)."""
+    path = _library()
+    if path is None:
+        return None
+    name = _name()
+    if name not in _MODULE:
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location(name, str(path), loader=loader))
+        loader.exec_module(module)
+        _MODULE[name] = module
+    return _MODULE[name]
+
+
+def is_built() -> bool:
+    """``decode_step.cpp`` is built for this PyTorch, in :func:`build_dir`."""
+    return _library() is not None
+
+
+def build(verbose: bool = False) -> float:
+    """Compile ``decode_step.cpp`` into :func:`build_dir` (nothing to do if it is there); return the
+    seconds it took. Raises :class:`NativeBuildError` saying why where it cannot be built."""
+    if is_built():
+        _module()
+        return 0.0
+    try:
+        from torch.utils.cpp_extension import load, verify_ninja_availability
+
+        verify_ninja_availability()
+    except (ImportError, RuntimeError) as e:
+        raise NativeBuildError(f"building the C++ decode step needs ninja (pip install ninja): {e}") from e
+    folder = build_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        module = load(_name(), [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder), verbose=verbose)
+    except (RuntimeError, OSError) as e:  # no compiler, or it failed: say what it said
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise NativeBuildError(f"building the C++ decode step failed: {' '.join(lines[-3:])[:500]}") from e
+    _MODULE.setdefault(_name(), module)
+    return time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- which models, which steps
+
+
+def _linears(model: nn.Module) -> list[nn.Module]:
+    out = []
+    for b in model.transformer.h:
+        out += [b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj]
+    return out + [model.lm_head]
+
+
+def _hooked(model: nn.Module) -> bool:
+    """Some module of ``model`` (or every module, globally) has a forward hook: the Python step runs them."""
+    if m._global_forward_hooks or m._global_forward_pre_hooks:
+        return True
+    return any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
+
+
+def why_not(model: nn.Module, cache: Any) -> str | None:
+    """Why the C++ step cannot stand in for ``model.decode`` on ``cache`` (None: it can).
+
+    It reproduces a :class:`gptlab.GPT` of GPT-2's architecture (learned positions, pre-norm
+    LayerNorm, GELU MLP, one key/value head per query head, no sliding window, PyTorch's fused
+    attention), float32 on the CPU, in eval mode, without hooks, decoding batch 1 into a
+    :class:`~gptlab.kvcache.StaticKVCache`.
+    """
+    if type(model) is not GPT:
+        return f"not a gptlab.GPT ({type(model).__name__})"
+    c = model.config
+    if (c.pos_emb, c.norm, c.mlp, c.prenorm, c.kv_heads == c.n_head, c.window_size) != \
+            ("learned", "layernorm", "gelu", True, True, None):
+        return "not GPT-2's architecture (learned positions, pre-norm LayerNorm, GELU, full heads, no window)"
+    if model.training:
+        return "the model is in training mode"
+    if type(cache) is not StaticKVCache or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
+        return "not a float32 batch-1 StaticKVCache"
+    blocks = list(model.transformer.h)
+    if any(type(b) is not Block or type(b.ln_1) is not LayerNorm or type(b.ln_2) is not LayerNorm
+           or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP for b in blocks):
+        return "a block's modules are not gptlab's own"
+    if any(b.attn.impl == "explicit" or b.attn.record_weights for b in blocks):
+        return "the attention is the written-out one (attn_impl='explicit' or record_weights)"
+    if any(type(m) not in (nn.Linear, PackedLinear) for m in _linears(model)):
+        return "a linear layer is neither nn.Linear nor PackedLinear"
+    params = list(model.parameters())
+    if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
+        return "the weights are not float32 on the CPU"
+    if len({m.eps for b in blocks for m in (b.ln_1, b.ln_2)} | {model.transformer.ln_f.eps}) != 1:
+        return "the layer norms' eps differ"
+    if _hooked(model):
+        return "a module has a forward hook (the Python step runs it)"
+    return None
+
+
+def _tensors(model: nn.Module, cache: Any) -> tuple[list[Tensor], list[int], float]:
+    """What ``Decoder`` takes (see ``decode_step.cpp``): the model's tensors, and per linear layer
+    its packed copy (a :class:`PackedLinear`'s blocks) or its plain weight."""
+    none = torch.empty(0)
+    c, t = model.config, model.transformer
+    tensors = [t.wte.weight, t.wpe.weight, t.ln_f.weight, none if t.ln_f.bias is None else t.ln_f.bias,
+               cache.k, cache.v]
+    ints = [c.n_layer, c.n_head, c.head_dim]
+
+    def product(m: nn.Module) -> None:
+        if isinstance(m, PackedLinear):
+            b = m.blocks
+            P, inp, part = b.weight.shape
+            tensors.extend([b.weight.view(P * inp, part), none if b.bias is None else b.bias.view(P, part),
+                            b.indices, b.offsets])
+            ints.extend([1, P, inp, b.out_features])
+        else:
+            tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
+            ints.extend([0, 1, m.in_features, m.out_features])
+
+    for b in t.h:
+        tensors.extend([b.ln_1.weight, none if b.ln_1.bias is None else b.ln_1.bias,
+                        b.ln_2.weight, none if b.ln_2.bias is None else b.ln_2.bias])
+        for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj):
+            product(m)
+    product(model.lm_head)
+    return [x.detach() for x in tensors], ints, float(t.ln_f.eps)
+
+
+_LAST: list[str | None] = [None]  # why the last decode did not use the C++ step (None: it did)
+_OFF: list[int] = [0]  # open disabled() blocks
+
+
+@contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, decoders run the Python step even where the C++ one is built (a benchmark's
+    comparison, a test of the Python path)."""
+    _OFF[0] += 1
+    try:
+        yield
+    finally:
+        _OFF[0] -= 1
+
+
+def last_use() -> str:
+    """Whether the last decode of this process ran its steps in C++, and if not, why not."""
+    return "the C++ decode step" if _LAST[0] is None else f"the Python decode step: {_LAST[0]}"
+
+
+def native_decode(model: nn.Module, cache: Any,
+                  fallback: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    """A decode function for the Runner: ``f(idx (B, T), cache, **kw) -> logits (B, V)`` that runs
+    one-token, batch-1, unpadded steps on ``cache`` in C++ and everything else through
+    ``fallback`` (``model.decode``). Returns ``fallback`` itself where the C++ step is not built or
+    cannot reproduce the model (:func:`why_not`); :func:`last_use` says which.
+
+    Call it with the model as the decode will run it (the packed layers installed): the C++ step
+    holds the tensors it finds now, and the cache's buffers.
+    """
+    module = None if _OFF[0] else _module()
+    if _OFF[0]:
+        reason = "turned off (gptlab.fast.native.disabled)"
+    elif module is None:
+        reason = "not built on this machine (python -m gptlab build-native)"
+    else:
+        reason = why_not(model, cache)
+    _LAST[0] = reason
+    if reason is not None:
+        return fallback
+    decoder = module.Decoder(*_tensors(model, cache))
+    k, v = cache.k, cache.v
+
+    def step(idx: Tensor, kv_cache: Any, **kw: Any) -> Tensor:
+        if kw or kv_cache is not cache or idx.shape != (1, 1) or cache.k is not k or cache.v is not v \
+                or cache.length >= cache.max_len or torch.is_grad_enabled():
+            return fallback(idx, kv_cache, **kw)
+        logits = decoder.step(idx, cache.length)
+        cache.advance(1)
+        return logits
+
+    return step
