@@ -155,7 +155,7 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
     if (c.pos_emb, c.norm, c.mlp, c.prenorm, c.kv_heads == c.n_head, c.window_size) != \
             ("learned", "layernorm", "gelu", True, True, None):
         return "not GPT-2's architecture (learned positions, pre-norm LayerNorm, GELU, full heads, no window)"
-    if model.training:
+    if any(mod.training for mod in model.modules()):
         return "the model is in training mode"
     if type(cache) is not StaticKVCache or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
         return "not a float32 batch-1 StaticKVCache"

@@ -102,7 +102,9 @@ class GenerationConfig:
         cache: the cache's kind, one of :data:`gptlab.kvcache.CACHE_IMPLS` (``"static"``:
             pre-allocated, the default; ``"concat"``; ``"sliding"`` for sliding-window models).
         fast: on a CPU, run the decode steps' products on packed weights where that is faster on
-            this machine (:mod:`gptlab.fast.cpu`); False runs the model's own layers.
+            this machine (:mod:`gptlab.fast.cpu`), and a batch-1 decode's one-token steps through
+            the C++ decode step where it was built (:mod:`gptlab.fast.native`, ``python -m gptlab
+            build-native``); False runs the model's own layers, in Python.
         compile: run the model's decode steps through ``torch.compile``
             (:mod:`gptlab.fast.compiled`): the GPU's fast path; on a CPU it needs a C++ compiler
             and pays only where ``python -m gptlab bench generate --compile`` says so. The first

@@ -262,7 +262,9 @@ def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: Gene
               context each step).
             * fast: on a CPU, run the decode steps' matrix products on weights packed in row
               blocks over the cores, in the layers where that is faster on this machine
-              (:mod:`gptlab.fast.cpu`: the same products, summed in another order); ``False``
+              (:mod:`gptlab.fast.cpu`: the same products, summed in another order), and
+              batch-1 one-token steps in C++ where ``python -m gptlab build-native`` built that
+              step (:mod:`gptlab.fast.native`: the same operations, the same numbers); ``False``
               runs the model's own ``nn.Linear`` layers.
             * compile: run the decode steps through ``torch.compile`` (the GPU's fast path,
               :mod:`gptlab.fast.compiled`); the first call compiles.
