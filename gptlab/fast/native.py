@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
-from torch.nn.modules import module as m
+from torch.nn.modules import module as torch_module
 from torch import Tensor
 
 from ..assets import cache_dir
@@ -136,7 +136,7 @@ def _linears(model: nn.Module) -> list[nn.Module]:
 
 def _hooked(model: nn.Module) -> bool:
     """Some module of ``model`` (or every module, globally) has a forward hook: the Python step runs them."""
-    if m._global_forward_hooks or m._global_forward_pre_hooks:
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
 
