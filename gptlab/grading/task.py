@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .core import Candidate, Forbidden, call, expect_close, expect_tensor, require_function, show_tensor
@@ -70,6 +71,8 @@ class Task:
     checks, which raise with a hint), ``want = reference(*case.args)``, then
     :func:`~gptlab.grading.core.expect_close` within ``atol + rtol * |want|``, trying
     ``mistakes(*case.args)`` in order and then ``diagnose(got, want, case)`` to name the mistake.
+    A reference that answers a Python number (``math.exp``) is compared as a float64 0-d tensor;
+    ``expect`` then turns the learner's number into one too.
     """
 
     name: str
@@ -93,6 +96,8 @@ class Task:
     """How the learner's function is called (``call``, or a wrapper that forbids more)."""
     show: Callable[[Tensor], str] = show_tensor
     """How a message shows the expected and the obtained tensors."""
+    legend: str = ""
+    """How to read what :attr:`show` shows, after "expected" in a message (e.g. ``"1 = may attend"``)."""
 
     def check(self, fn: Callable[..., Any], seed: int = 0, **options: Any) -> None:
         """Raise :class:`~gptlab.grading.core.ExerciseError` naming the mistake unless ``fn`` agrees
@@ -107,8 +112,10 @@ class Task:
         got = self.caller(fn, self.name, *case.args, forbidden=tuple(self.forbidden))
         got = self.expect(got, case)
         want = self.reference(*case.args)
+        if isinstance(want, (int, float)):
+            want = torch.tensor(want, dtype=torch.float64)
         diagnose = None
         if self.diagnose is not None:
             diagnose = lambda g, w=want, c=case: self.diagnose(g, w, c)  # noqa: E731
         expect_close(got, want, case.what or self.name, case.text, self.atol, self.rtol,
-                     mistakes=self.mistakes(*case.args), diagnose=diagnose, show=self.show)
+                     mistakes=self.mistakes(*case.args), diagnose=diagnose, show=self.show, legend=self.legend)
