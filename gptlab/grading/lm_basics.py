@@ -44,6 +44,7 @@ from .core import (
     same,
     show_tensor,
 )
+from .task import Case, Task
 
 __all__ = [
     "check_encode",
@@ -362,16 +363,18 @@ def reference_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits, targets)
 
 
-def _ce_cases(seed: int) -> list[tuple[str, Tensor, Tensor]]:
+def _ce_cases(seed: int) -> list[Case]:
+    """Seeded logits (leaves that require grad: the gradient is checked too) and targets."""
     g = torch.Generator().manual_seed(seed)
     cases = []
     for N, V, scale in ((6, 5, 2.0), (1, 3, 1.0), (32, 65, 3.0)):
-        cases.append((f"logits of shape ({N}, {V}) (seeded, values up to about {3 * scale:g})",
-                      torch.randn(N, V, generator=g) * scale, torch.randint(0, V, (N,), generator=g)))
+        logits = (torch.randn(N, V, generator=g) * scale).requires_grad_(True)
+        cases.append(Case((logits, torch.randint(0, V, (N,), generator=g)),
+                          f"logits of shape ({N}, {V}) (seeded, values up to about {3 * scale:g})"))
     # large logits: exp(1e4) overflows float32; targets avoid the argmax so that log(softmax) underflows
     big = torch.randn(4, 7, generator=g) * 1e4
     targets = (big.argmax(dim=1) + 1 + torch.randint(0, 6, (4,), generator=g)) % 7
-    cases.append(("logits of shape (4, 7) with values about 1e4 in size", big, targets))
+    cases.append(Case((big.requires_grad_(True), targets), "logits of shape (4, 7) with values about 1e4 in size"))
     return cases
 
 
@@ -403,6 +406,38 @@ def _ce_mistakes(logits: Tensor, targets: Tensor) -> list:
     ]
 
 
+def _show_number(t: Tensor) -> str:
+    return f"{t.item():.6g}" if t.dim() == 0 else show_tensor(t, decimals=6)
+
+
+def _expect_loss(got: Any, case: Case) -> Tensor:
+    logits, targets = case.args
+    N = logits.shape[0]
+    if isinstance(got, (float, int)) and not isinstance(got, bool):
+        raise ExerciseError(
+            f"cross_entropy returned a Python number ({got:.4g}); return the 0-d tensor instead (no .item()), "
+            "so that loss.backward() can compute the gradient."
+        )
+    if isinstance(got, Tensor) and got.dim() == 1 and got.shape[0] == N and N > 1:
+        raise ExerciseError(
+            f"cross_entropy returned shape ({N},), one loss per row: return their mean, a 0-d tensor (.mean())."
+        )
+    got = expect_tensor(got, "cross_entropy", shape=(), dtype="float", device="cpu",
+                        hint_shape="The loss is one number: the mean over the N rows, a 0-d tensor.")
+    if not bool(torch.isfinite(got)):
+        raise ExerciseError(
+            f"cross_entropy is {got.item()} for {case.text}; expected {reference_cross_entropy(*case.args).item():.6g}. "
+            "It is not numerically stable: exp(1e4) overflows to inf (and inf/inf = nan), and a probability that "
+            "underflows to 0 gives log(0) = -inf. Subtract each row's maximum before exp (the log-sum-exp shift) and "
+            "compute log-probabilities as (logits - max) - log(sum(exp(logits - max))), never log(softmax)."
+        )
+    return got
+
+
+CROSS_ENTROPY = Task("cross_entropy", reference_cross_entropy, _CE_FORBIDDEN + _SHIFT_FORBIDDEN, _ce_cases,
+                     atol=1e-5, rtol=1e-4, mistakes=_ce_mistakes, expect=_expect_loss, show=_show_number)
+
+
 def check_cross_entropy(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -> None:
     """Check a learner's ``cross_entropy(logits, targets) -> 0-d tensor``.
 
@@ -412,41 +447,18 @@ def check_cross_entropy(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -
     with ``(softmax(logits) - onehot(targets)) / N`` (same tolerance). Forbids the fused losses,
     ``torch.logsumexp`` and ``log_softmax``.
     """
-    require_function(fn, "cross_entropy")
-    for inputs, logits, targets in _ce_cases(seed):
-        N = logits.shape[0]
-        leaf = logits.clone().requires_grad_(True)
-        got_raw = call(fn, "cross_entropy", leaf, targets, forbidden=_CE_FORBIDDEN + _SHIFT_FORBIDDEN)
-        if isinstance(got_raw, (float, int)) and not isinstance(got_raw, bool):
-            raise ExerciseError(
-                f"cross_entropy returned a Python number ({got_raw:.4g}); return the 0-d tensor instead (no .item()), "
-                "so that loss.backward() can compute the gradient."
-            )
-        if isinstance(got_raw, Tensor) and got_raw.dim() == 1 and got_raw.shape[0] == N and N > 1:
-            raise ExerciseError(
-                f"cross_entropy returned shape ({N},), one loss per row: return their mean, a 0-d tensor (.mean())."
-            )
-        got = expect_tensor(got_raw, "cross_entropy", shape=(), dtype="float", device="cpu",
-                            hint_shape="The loss is one number: the mean over the N rows, a 0-d tensor.")
-        want = reference_cross_entropy(logits, targets)
-        if not bool(torch.isfinite(got)):
-            raise ExerciseError(
-                f"cross_entropy is {got.item()} for {inputs}; expected {want.item():.6g}. It is not numerically "
-                "stable: exp(1e4) overflows to inf (and inf/inf = nan), and a probability that underflows to 0 "
-                "gives log(0) = -inf. Subtract each row's maximum before exp (the log-sum-exp shift) and compute "
-                "log-probabilities as (logits - max) - log(sum(exp(logits - max))), never log(softmax)."
-            )
-        expect_close(got, want, "cross_entropy", inputs, atol=1e-5, rtol=1e-4, mistakes=_ce_mistakes(logits, targets),
-                     show=lambda t: f"{t.item():.6g}" if t.dim() == 0 else show_tensor(t, decimals=6))
-        # the gradient: backward through the learner's graph
-        if not got_raw.requires_grad:
+    CROSS_ENTROPY.check(fn, seed)
+    for case in CROSS_ENTROPY.cases(seed):  # the gradient: backward through the learner's graph
+        logits, targets = case.args
+        loss = call(fn, "cross_entropy", logits, targets, forbidden=CROSS_ENTROPY.forbidden)
+        if not loss.requires_grad:
             raise ExerciseError(
                 "cross_entropy's result is cut off from the logits: it has no gradient (did you use .item(), "
                 ".detach(), torch.tensor(...) on a result, or numpy?). Compute it with tensor operations on logits."
             )
-        (grad,) = torch.autograd.grad(got_raw, leaf)
-        want_grad = (torch.softmax(logits, dim=1) - F.one_hot(targets, logits.shape[1]).float()) / N
-        expect_close(grad, want_grad, "the gradient of cross_entropy with respect to the logits", inputs,
+        (grad,) = torch.autograd.grad(loss, logits)
+        want_grad = (torch.softmax(logits.detach(), dim=1) - F.one_hot(targets, logits.shape[1]).float()) / len(targets)
+        expect_close(grad, want_grad, "the gradient of cross_entropy with respect to the logits", case.text,
                      atol=1e-5, rtol=1e-4,
                      diagnose=lambda g: "it should be (softmax(logits) - onehot(targets)) / N; a value that is right "
                                         "but whose gradient is wrong usually comes from a detached piece (e.g. the "
@@ -459,34 +471,43 @@ _PPL_FORBIDDEN = (Forbidden(_bigram.perplexity, "gptlab.bigram.perplexity"),)
 _NLLS = (0.0, 1.0, math.log(65), 2.4818894, 0.25, 4.5)
 
 
+def _ppl_cases(seed: int | None) -> list[Case]:
+    """The fixed mean losses, and three drawn from ``seed`` (none when it is None)."""
+    values = list(_NLLS) + ([random.Random(seed).uniform(0.05, 6.0) for _ in range(3)] if seed is not None else [])
+    return [Case((x,), f"mean_nll = {x!r}", f"perplexity({x:.6g})") for x in values]
+
+
+def _expect_number(got: Any, case: Case) -> Tensor:
+    if isinstance(got, Tensor):
+        raise ExerciseError(f"{case.what} returned a tensor; return a Python float (math.exp, or .item()).")
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        extra = " (did you forget a return statement?)" if got is None else ""
+        raise ExerciseError(f"{case.what} should return a float, got {describe(got)}{extra}.")
+    return torch.tensor(float(got), dtype=torch.float64)
+
+
+def _ppl_mistakes(x: float) -> list[tuple[str, Callable[[], float]]]:
+    return [
+        ("you used base 2 (2 ** loss): the loss is in nats (natural log), so the perplexity is e ** loss, "
+         "math.exp(loss).", lambda: 2.0**x),
+        ("you used base 10 (10 ** loss): the loss is in nats (natural log), so the perplexity is math.exp(loss).",
+         lambda: 10.0**x),
+        ("you took exp(-loss), the geometric-mean probability of the targets; the perplexity is its inverse, "
+         "exp(+loss).", lambda: math.exp(-x)),
+        ("you returned the loss itself: the perplexity is exp(loss).", lambda: x),
+        ("you took the log of the loss: the perplexity is exp(loss).", lambda: math.log(x)),
+    ]
+
+
+PERPLEXITY = Task("perplexity", math.exp, _PPL_FORBIDDEN, _ppl_cases, rtol=1e-6, mistakes=_ppl_mistakes,
+                  expect=_expect_number, show=_show_number,
+                  diagnose=lambda got, want, case: "the perplexity of a mean loss L (nats) is exp(L).")
+
+
 def check_perplexity(fn: Callable[[float], float], seed: int | None = None) -> None:
     """Check a learner's ``perplexity(mean_nll) -> float`` against ``math.exp`` (relative 1e-6).
 
     ``mean_nll`` is a mean negative log-likelihood in nats (natural log), as ``cross_entropy``
     returns; the perplexity is ``exp(mean_nll)``, a Python float.
     """
-    require_function(fn, "perplexity")
-    values = list(_NLLS) + ([random.Random(seed).uniform(0.05, 6.0) for _ in range(3)] if seed is not None else [])
-    for x in values:
-        got = call(fn, "perplexity", x, forbidden=_PPL_FORBIDDEN)
-        want = math.exp(x)
-        if isinstance(got, Tensor):
-            raise ExerciseError(f"perplexity({x:.6g}) returned a tensor; return a Python float (math.exp, or .item()).")
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            extra = " (did you forget a return statement?)" if got is None else ""
-            raise ExerciseError(f"perplexity({x:.6g}) should return a float, got {describe(got)}{extra}.")
-        if abs(got - want) <= 1e-6 * want:
-            continue
-        candidates = [
-            ("you used base 2 (2 ** loss): the loss is in nats (natural log), so the perplexity is e ** loss, "
-             "math.exp(loss).", 2.0**x),
-            ("you used base 10 (10 ** loss): the loss is in nats (natural log), so the perplexity is math.exp(loss).",
-             10.0**x),
-            ("you took exp(-loss), the geometric-mean probability of the targets; the perplexity is its inverse, "
-             "exp(+loss).", math.exp(-x)),
-            ("you returned the loss itself: the perplexity is exp(loss).", x),
-            ("you took the log of the loss: the perplexity is exp(loss).", math.log(x) if x > 0 else None),
-        ]
-        reason = next((r for r, c in candidates if c is not None and abs(got - c) <= 1e-6 * max(abs(c), 1e-12)),
-                      "the perplexity of a mean loss L (nats) is exp(L).")
-        raise ExerciseError(f"perplexity({x:.6g}) is wrong: {reason}\n  expected: {want:.6g}\n  got:      {got:.6g}")
+    PERPLEXITY.check(fn, seed)
