@@ -233,12 +233,12 @@ _BATCH_FORBIDDEN = (
 )
 
 
-def _batch_cases(seed: int) -> list[tuple[Tensor, int, Tensor]]:
+def _batch_cases(seed: int) -> list[Case]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 65, (20,), generator=g)
     big = torch.randint(0, 65, (1000,), generator=g)
     big_starts = torch.cat([torch.randint(0, 1000 - 16, (7,), generator=g), torch.tensor([1000 - 16 - 1])])
-    return [
+    cases = [
         (ids, 4, torch.tensor([2, 5, 9])),
         (ids, 1, torch.tensor([3])),  # T = 1
         (ids, 4, torch.tensor([15, 7])),  # 15 = N - T - 1: the last window that fits
@@ -246,10 +246,89 @@ def _batch_cases(seed: int) -> list[tuple[Tensor, int, Tensor]]:
         (ids, 3, torch.tensor([0, 0, 16])),  # start 0, repeated starts
         (big, 16, big_starts),
     ]
+    return [Case(c, f"ids = {describe(c[0])}, block_size = {c[1]}, starts = {c[2].tolist()}") for c in cases]
 
 
-def _window(ids: Tensor, starts: Tensor, T: int, shift: int) -> Tensor:
-    return torch.stack([ids[int(s) + shift : int(s) + shift + T] for s in starts])
+def _call_batch(fn: Callable, name: str, ids: Tensor, T: int, starts: Tensor, forbidden: Sequence[Forbidden]) -> Any:
+    """:func:`~gptlab.grading.core.call`, naming the usual cause of a crash on the last window that fits."""
+    try:
+        return call(fn, name, ids, T, starts, forbidden=forbidden)
+    except DelegationError:
+        raise
+    except ExerciseError as e:
+        last = len(ids) - T - 1
+        if e.__cause__ is not None and last in starts.tolist():
+            raise ExerciseError(
+                f"{e}\n  Most likely mistake: a slice reads past the end of ids. Start {last} = N - block_size - 1 "
+                f"is the last window that fits (N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. "
+                "Slices that go further come out shorter than block_size: x = ids[s : s + block_size], "
+                "y = ids[s + 1 : s + block_size + 1]."
+            ) from None
+        raise
+
+
+def _expect_batch(got: Any, case: Case) -> Tensor:
+    """The pair (x, y), checked and stacked into one (2, B, T) int64 tensor."""
+    ids, T, starts = case.args
+    B = len(starts)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseError(f"next_token_batch should return a pair (x, y) of tensors, got {describe(got)}.")
+    for name, t in zip("xy", got):
+        if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == B and t.shape[1] != T:
+            d = t.shape[1] - T
+            hint = (f"{name} has {t.shape[1]} = block_size {'+' if d > 0 else '-'} {abs(d)} columns: "
+                    "x and y are both block_size long, x = ids[s : s + block_size] and "
+                    "y = ids[s + 1 : s + block_size + 1].")
+            raise ExerciseError(f"for {case.text}: {hint}")
+        if isinstance(t, Tensor) and t.dim() == 2 and tuple(t.shape) == (T, B) and T != B:
+            raise ExerciseError(f"for {case.text}: {name} has shape {(T, B)}, the transpose of (B, T) = {(B, T)}: "
+                                "stack the windows along a new first dimension (torch.stack(windows) or dim=0).")
+        expect_tensor(t, f"{name} of next_token_batch", shape=(B, T), device="cpu",
+                      hint_shape="Each row is one window of block_size tokens; there is one row per start.")
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ExerciseError(f"{name} of next_token_batch should hold integer token ids (dtype {ids.dtype}), "
+                                f"got dtype {t.dtype}: slice ids instead of building new float tensors.")
+    return torch.stack([t.detach().cpu().long() for t in got])
+
+
+def _batch_mistakes(ids: Tensor, T: int, starts: Tensor) -> list[tuple[str, Callable[[], Tensor]]]:
+    """Known mistakes of next_token_batch, each as (diagnosis, thunk of the stacked (x, y))."""
+    x, y = _data.batch_at(ids, starts, T)
+
+    def w(shift: int) -> Tensor:  # the windows that start `shift` tokens after each start
+        return torch.stack([ids[int(s) + shift : int(s) + shift + T] for s in starts])
+
+    stack = torch.stack
+    late = "x starts one token late: x = ids[s : s + block_size] starts AT s, and y one token later."
+    early = "x starts one token early: x = ids[s : s + block_size] starts AT s."
+    return [
+        ("your targets are not shifted: y equals x, so the model would be asked to copy its input. "
+         "y[b, t] is the token AFTER x[b, t]: y = ids[s + 1 : s + block_size + 1].", lambda: stack([x, x])),
+        ("your targets are shifted the wrong way (the token before, ids[s - 1 : ...]): y must be the NEXT "
+         "tokens, ids[s + 1 : s + block_size + 1].", lambda: stack([x, w(-1)])),
+        ("your targets are shifted by 2: y = ids[s + 1 : s + block_size + 1], one step after x.",
+         lambda: stack([x, w(2)])),
+        ("x and y are swapped: x = ids[s : s + block_size] is the input, y (one step later) the target.",
+         lambda: stack([y, x])),
+        (late, lambda: stack([y, w(2)])), (late, lambda: stack([y, y])),
+        (early, lambda: stack([w(-1), x])), (early, lambda: stack([w(-1), y])),
+    ]
+
+
+def _batch_diagnosis(got: Tensor, want: Tensor, case: Case) -> str:
+    return (f"{'y' if same(got[0], want[0]) else 'x'} differs: x[b] must be ids[s_b : s_b + block_size] and "
+            "y[b] = ids[s_b + 1 : s_b + block_size + 1], with s_b = starts[b].")
+
+
+def _rows(t: Tensor, max_rows: int = 4) -> str:
+    lines = [str(row) for row in t[:max_rows].tolist()] + ([f"... ({t.shape[0]} rows)"] if t.shape[0] > max_rows else [])
+    return "\n".join(lines)
+
+
+NEXT_TOKEN_BATCH = Task(
+    "next_token_batch", lambda ids, T, starts: torch.stack(_data.batch_at(ids, starts, T)), _BATCH_FORBIDDEN,
+    _batch_cases, mistakes=_batch_mistakes, expect=_expect_batch, diagnose=_batch_diagnosis, caller=_call_batch,
+    show=lambda t: f"x:\n{_rows(t[0])}\ny:\n{_rows(t[1])}")
 
 
 def check_next_token_batch(fn: Callable[[Tensor, int, Tensor], tuple], seed: int = 0) -> None:
@@ -260,89 +339,7 @@ def check_next_token_batch(fn: Callable[[Tensor, int, Tensor], tuple], seed: int
     (T = ``block_size``), compared exactly with :func:`gptlab.data.batch_at`. The cases include the
     last start that fits (N - T - 1), T = 1 and a batch of one.
     """
-    require_function(fn, "next_token_batch")
-    for ids, T, starts in _batch_cases(seed):
-        B = len(starts)
-        inputs = f"ids = {describe(ids)}, block_size = {T}, starts = {starts.tolist()}"
-        try:
-            got = call(fn, "next_token_batch", ids, T, starts, forbidden=_BATCH_FORBIDDEN)
-        except DelegationError:
-            raise
-        except ExerciseError as e:
-            last = len(ids) - T - 1
-            if e.__cause__ is not None and last in starts.tolist():
-                raise ExerciseError(
-                    f"{e}\n  Most likely mistake: a slice reads past the end of ids. Start {last} = N - block_size - 1 "
-                    f"is the last window that fits (N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. "
-                    "Slices that go further come out shorter than block_size: x = ids[s : s + block_size], "
-                    "y = ids[s + 1 : s + block_size + 1]."
-                ) from None
-            raise
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise ExerciseError(f"next_token_batch should return a pair (x, y) of tensors, got {describe(got)}.")
-        x, y = got
-        want_x, want_y = _data.batch_at(ids, starts, T)
-        for name, t, want in (("x", x, want_x), ("y", y, want_y)):
-            if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == B and t.shape[1] != T:
-                d = t.shape[1] - T
-                hint = (f"{name} has {t.shape[1]} = block_size {'+' if d > 0 else '-'} {abs(d)} columns: "
-                        "x and y are both block_size long, x = ids[s : s + block_size] and "
-                        "y = ids[s + 1 : s + block_size + 1].")
-                raise ExerciseError(f"for {inputs}: {hint}")
-            if isinstance(t, Tensor) and t.dim() == 2 and tuple(t.shape) == (T, B) and T != B:
-                raise ExerciseError(f"for {inputs}: {name} has shape {(T, B)}, the transpose of (B, T) = {(B, T)}: "
-                                    "stack the windows along a new first dimension (torch.stack(windows) or dim=0).")
-            expect_tensor(t, f"{name} of next_token_batch", shape=(B, T), device="cpu",
-                          hint_shape="Each row is one window of block_size tokens; there is one row per start.")
-            if t.is_floating_point() or t.dtype == torch.bool:
-                raise ExerciseError(f"{name} of next_token_batch should hold integer token ids (dtype {ids.dtype}), "
-                                    f"got dtype {t.dtype}: slice ids instead of building new float tensors.")
-        x, y = x.long(), y.long()
-        if same(x, want_x) and same(y, want_y):
-            continue
-        if same(x, want_x):
-            candidates = [
-                ("your targets are not shifted: y equals x, so the model would be asked to copy its input. "
-                 "y[b, t] is the token AFTER x[b, t]: y = ids[s + 1 : s + block_size + 1].", x),
-                ("your targets are shifted the wrong way (the token before, ids[s - 1 : ...]): y must be the NEXT "
-                 "tokens, ids[s + 1 : s + block_size + 1].", _try(lambda: _window(ids, starts, T, -1))),
-                ("your targets are shifted by 2: y = ids[s + 1 : s + block_size + 1], one step after x.",
-                 _try(lambda: _window(ids, starts, T, 2))),
-            ]
-            what, wrong, want = "y", y, want_y
-        else:
-            swapped = same(x, want_y) and same(y, want_x)
-            candidates = [
-                ("x and y are swapped: x = ids[s : s + block_size] is the input, y (one step later) the target.",
-                 want_y if swapped else None),
-                ("x starts one token late: x = ids[s : s + block_size] starts AT s, and y one token later.",
-                 want_y),
-                ("x starts one token early: x = ids[s : s + block_size] starts AT s.",
-                 _try(lambda: _window(ids, starts, T, -1))),
-            ]
-            what, wrong, want = "x", x, want_x
-        reason = next((r for r, c in candidates if isinstance(c, Tensor) and same(wrong, c)), None)
-        if reason is None:
-            reason = ("x[b] must be ids[s_b : s_b + block_size] and y[b] = ids[s_b + 1 : s_b + block_size + 1], "
-                      "with s_b = starts[b].")
-        raise ExerciseError(
-            f"next_token_batch is wrong ({what} differs): {reason}\n  input: {inputs}\n"
-            f"  expected {what}:\n{_rows(want)}\n  got {what}:\n{_rows(wrong)}"
-        )
-
-
-def _try(thunk: Callable[[], Tensor]) -> Tensor | None:
-    try:
-        return thunk()
-    except Exception:
-        return None
-
-
-def _rows(t: Tensor, max_rows: int = 4) -> str:
-    lines = [f"      {row}" for row in t[:max_rows].tolist()]
-    if t.shape[0] > max_rows:
-        lines.append(f"      ... ({t.shape[0]} rows)")
-    return "\n".join(lines)
+    NEXT_TOKEN_BATCH.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- cross_entropy
