@@ -40,7 +40,7 @@ from .. import attention as _att
 from .. import GPTConfig
 from .core import ExerciseError, Forbidden, call, entries_of, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
-from .task import Case, Task
+from .task import Case, Task, call_with_hint
 
 __all__ = [
     "check_attention_weights",
@@ -354,19 +354,6 @@ def check_split_heads(fn: Callable[[Tensor, int], Tensor], seed: int = 0) -> Non
     SPLIT_HEADS.check(fn, seed)
 
 
-def _call_merge(fn: Callable, name: str, *args: Any, forbidden: tuple[Forbidden, ...]) -> Any:
-    """:func:`~gptlab.grading.core.call`, naming the usual cause of a ``.view`` that cannot merge."""
-    try:
-        return call(fn, name, *args, forbidden=forbidden)
-    except ExerciseError as e:
-        if "view size is not compatible" in str(e):
-            raise ExerciseError(
-                f"{e}\n  Most likely mistake: after transpose(1, 2) the tensor is not contiguous in memory, so "
-                ".view cannot merge its last two axes. Use .reshape(B, T, H * d) (or .contiguous().view(...))."
-            ) from None
-        raise
-
-
 def _expect_merged(got: Any, case: Case) -> Tensor:
     (h,) = case.args
     B, H, T, d = h.shape
@@ -390,7 +377,10 @@ def _merge_mistakes(h: Tensor) -> list[tuple[str, Callable[[], Tensor]]]:
 
 MERGE_HEADS = Task(
     "merge_heads", _att.merge_heads, _GPTLAB_HEADS + _FORBIDDEN_ATTENTION, lambda seed: _heads_cases(seed + 1, True),
-    mistakes=_merge_mistakes, expect=_expect_merged, caller=_call_merge, show=_show,
+    mistakes=_merge_mistakes, expect=_expect_merged, show=_show,
+    caller=call_with_hint(lambda e, args: "after transpose(1, 2) the tensor is not contiguous in memory, so .view "
+                          "cannot merge its last two axes. Use .reshape(B, T, H * d) (or .contiguous().view(...))."
+                          if "view size is not compatible" in str(e) else None),
     diagnose=lambda got, want, case: "position t must hold the features of head 0, then head 1, ... (H * d in all).")
 
 

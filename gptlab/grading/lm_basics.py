@@ -44,7 +44,7 @@ from .core import (
     same,
     show_tensor,
 )
-from .task import Case, Task
+from .task import Case, Task, call_with_hint
 
 __all__ = [
     "check_encode",
@@ -249,22 +249,15 @@ def _batch_cases(seed: int) -> list[Case]:
     return [Case(c, f"ids = {describe(c[0])}, block_size = {c[1]}, starts = {c[2].tolist()}") for c in cases]
 
 
-def _call_batch(fn: Callable, name: str, ids: Tensor, T: int, starts: Tensor, forbidden: Sequence[Forbidden]) -> Any:
-    """:func:`~gptlab.grading.core.call`, naming the usual cause of a crash on the last window that fits."""
-    try:
-        return call(fn, name, ids, T, starts, forbidden=forbidden)
-    except DelegationError:
-        raise
-    except ExerciseError as e:
-        last = len(ids) - T - 1
-        if e.__cause__ is not None and last in starts.tolist():
-            raise ExerciseError(
-                f"{e}\n  Most likely mistake: a slice reads past the end of ids. Start {last} = N - block_size - 1 "
-                f"is the last window that fits (N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. "
-                "Slices that go further come out shorter than block_size: x = ids[s : s + block_size], "
-                "y = ids[s + 1 : s + block_size + 1]."
-            ) from None
-        raise
+def _crash_hint(e: ExerciseError, args: tuple) -> str | None:
+    """The usual cause of a crash on the last window that fits."""
+    ids, T, starts = args
+    last = len(ids) - T - 1
+    if e.__cause__ is None or last not in starts.tolist():
+        return None
+    return (f"a slice reads past the end of ids. Start {last} = N - block_size - 1 is the last window that fits "
+            f"(N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. Slices that go further come out "
+            "shorter than block_size: x = ids[s : s + block_size], y = ids[s + 1 : s + block_size + 1].")
 
 
 def _expect_batch(got: Any, case: Case) -> Tensor:
@@ -327,7 +320,7 @@ def _rows(t: Tensor, max_rows: int = 4) -> str:
 
 NEXT_TOKEN_BATCH = Task(
     "next_token_batch", lambda ids, T, starts: torch.stack(_data.batch_at(ids, starts, T)), _BATCH_FORBIDDEN,
-    _batch_cases, mistakes=_batch_mistakes, expect=_expect_batch, diagnose=_batch_diagnosis, caller=_call_batch,
+    _batch_cases, mistakes=_batch_mistakes, expect=_expect_batch, diagnose=_batch_diagnosis, caller=call_with_hint(_crash_hint),
     show=lambda t: f"x:\n{_rows(t[0])}\ny:\n{_rows(t[1])}")
 
 

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .core import Candidate, Forbidden, call, expect_close, expect_tensor, require_function, show_tensor
+from .core import (Candidate, DelegationError, ExerciseError, Forbidden, call, expect_close, expect_tensor,
+                   require_function, show_tensor)
 
-__all__ = ["Case", "Task", "same_as_first"]
+__all__ = ["Case", "Task", "same_as_first", "call_with_hint"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,24 @@ def same_as_first(got: Any, case: Case) -> Tensor:
     of, the first argument."""
     like = case.args[0]
     return expect_tensor(got, case.what, shape=like.shape, dtype="float", device=like.device, finite=True).float()
+
+
+def call_with_hint(hint: Callable[[ExerciseError, tuple], str | None]) -> Callable[..., Any]:
+    """A :attr:`Task.caller`: :func:`~gptlab.grading.core.call`, whose failure (other than a delegation)
+    gets "Most likely mistake: ``hint(error, args)``" where the hint names one (the usual cause of a crash)."""
+
+    def caller(fn: Callable[..., Any], name: str, *args: Any, forbidden: Sequence[Forbidden] = ()) -> Any:
+        try:
+            return call(fn, name, *args, forbidden=forbidden)
+        except DelegationError:
+            raise
+        except ExerciseError as e:
+            reason = hint(e, args)
+            if reason is None:
+                raise
+            raise ExerciseError(f"{e}\n  Most likely mistake: {reason}") from None
+
+    return caller
 
 
 def _no_mistakes(*args: Any) -> list[Candidate]:
