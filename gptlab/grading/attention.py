@@ -38,9 +38,9 @@ from torch._C import _VariableFunctions as _VF
 
 from .. import attention as _att
 from .. import GPTConfig
-from .core import ExerciseError, Forbidden, call, entries_of, torch_family, describe, expect_close, expect_tensor, require_function, same
+from .core import ExerciseError, Forbidden, call, entries_of, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
-from .task import Case, Task
+from .task import Case, Task, call_with_hint
 
 __all__ = [
     "check_attention_weights",
@@ -186,22 +186,20 @@ def _close_enough(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.is_floating_point() and bool(_VF.allclose(a.detach().float(), b, WEIGHTS_TOL["rtol"], WEIGHTS_TOL["atol"]))
 
 
-def _rows(t: Tensor, max_rows: int = 12, indent: str = "      ") -> str:
-    """The rows of ``t`` (last axis), at most ``max_rows``, 4 significant digits, indented."""
-    rows = t.detach().float().reshape(-1, t.shape[-1]).tolist()
-    text = [indent + "[" + ", ".join(f"{v:.4g}" for v in r) + "]" for r in rows[:max_rows]]
-    return "\n".join(text + ([indent + "..."] if len(rows) > max_rows else []))
-
-
 def _show(t: Tensor) -> str:
-    """A tensor in a failure message: its shape and its first rows."""
-    return f"shape {tuple(t.shape)}, first rows:\n" + _rows(t, max_rows=4, indent="  ")
+    """A tensor in a failure message: its shape and its first 4 rows (last axis), 4 significant digits."""
+    rows = t.detach().float().reshape(-1, t.shape[-1]).tolist()
+    text = ["  [" + ", ".join(f"{v:.4g}" for v in r) + "]" for r in rows[:4]] + (["  ..."] if len(rows) > 4 else [])
+    return f"shape {tuple(t.shape)}, first rows:\n" + "\n".join(text)
 
 
-def _expect_shape(got: Any, what: str, want: tuple[int, ...], hints: dict[tuple[int, ...], str]) -> None:
+def _expect_shape(got: Any, what: str, want: tuple[int, ...], hints: dict[tuple[int, ...], str], **kw: Any) -> Tensor:
+    """``got`` checked by :func:`expect_tensor` (shape ``want``, on the CPU, ``kw``); a wrong shape found in
+    ``hints`` gets its hint."""
     if isinstance(got, Tensor) and tuple(got.shape) != want:
         hint = hints.get(tuple(got.shape), "")
         raise ExerciseError(f"{what} should have shape {want}, got {tuple(got.shape)}." + (f" {hint}" if hint else ""))
+    return expect_tensor(got, what, shape=want, device="cpu", **kw)
 
 
 def _cases_for(name: str, seed: int, with_v: bool) -> list[Case]:
@@ -217,12 +215,11 @@ def _expect_weights(got: Any, case: Case) -> Tensor:
     q, k = case.args[:2]
     B, H, T, d = q.shape
     S = k.shape[-2]
-    _expect_shape(got, case.what, (B, H, T, S), {
+    return _expect_shape(got, case.what, (B, H, T, S), {
         (B, H, T, d): "That is the shape of the output of attention (weights @ v); this function returns the "
                       "weights, one per query and key.",
         (B, H, S, T): "Rows are queries and columns are keys: compute q @ k.transpose(-2, -1), not k @ q^T.",
-    })
-    return expect_tensor(got, case.what, shape=(B, H, T, S), dtype="float", device="cpu").float()
+    }, dtype="float").float()
 
 
 ATTENTION_WEIGHTS = Task(
@@ -253,14 +250,13 @@ def _expect_output(got: Any, case: Case) -> Tensor:
     S = k.shape[-2]
     if isinstance(got, tuple):
         raise ExerciseError(f"attend should return one tensor, the output (B, H, T, d), got a tuple of {len(got)}.")
-    _expect_shape(got, case.what, (B, H, T, d), {
+    got = _expect_shape(got, case.what, (B, H, T, d), {
         (B, H, T, S): "That is the shape of the weights: multiply them by v (weights @ v) to get the output.",
-    })
-    if isinstance(got, Tensor) and tuple(got.shape) == (B, H, T, d) and S == d:
-        if _close_enough(got, _att.attention_weights(q, k, mask)):
-            raise ExerciseError(f"{case.what} returned the attention weights: multiply them by v "
-                                "(weights @ v) to get the output.")
-    return expect_tensor(got, case.what, shape=(B, H, T, d), dtype="float", device="cpu").float()
+    }, dtype="float")
+    if S == d and _close_enough(got, _att.attention_weights(q, k, mask)):
+        raise ExerciseError(f"{case.what} returned the attention weights: multiply them by v "
+                            "(weights @ v) to get the output.")
+    return got.float()
 
 
 def _attend_mistakes(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> list:
@@ -299,16 +295,54 @@ def check_attend(fn: Callable[..., Tensor], seed: int = 0) -> None:
 # --------------------------------------------------------------------------- split_heads / merge_heads
 
 
-def _head_inputs(seed: int) -> list[tuple[Tensor, int]]:
+def _heads_cases(seed: int, merge: bool) -> list[Case]:
+    """x (B, T, C) and n_head, the first x holding 0, 1, 2, ... (every value says where it came from);
+    for merge_heads, the heads of x, contiguous like the output of attention (a transposed view could
+    be merged with .view)."""
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(2, 5, 12, generator=g), 3), (torch.randn(1, 1, 8, generator=g), 2),
-            (torch.randn(3, 4, 6, generator=g), 1), (torch.randn(2, 3, 16, generator=g), 4)]
+    drawn = [(torch.randn(shape, generator=g), n) for shape, n in (((2, 5, 12), 3), ((1, 1, 8), 2), ((3, 4, 6), 1),
+                                                                   ((2, 3, 16), 4))]
+    out = []
+    for x, n in [(torch.arange(48.0).reshape(2, 3, 8), 2)] + drawn:
+        if merge:
+            h = _att.split_heads(x, n).contiguous()
+            out.append(Case((h,), f"x of shape {tuple(h.shape)}, the heads of a (B, T, C) = {tuple(x.shape)} "
+                                  "tensor: merge_heads(split_heads(x, n_head)) must give x back",
+                            f"merge_heads(x of shape {tuple(h.shape)})"))
+        else:
+            out.append(Case((x, n), f"x of shape {tuple(x.shape)}, n_head={n}",
+                            f"split_heads(x of shape {tuple(x.shape)}, n_head={n})"))
+    return out
 
 
-def _numbered(shape: tuple[int, ...]) -> Tensor:
-    """0, 1, 2, ... in ``shape``: every value says where it came from in the input."""
-    n = math.prod(shape)
-    return torch.arange(n, dtype=torch.float32).reshape(shape)
+def _expect_split(got: Any, case: Case) -> Tensor:
+    x, n = case.args
+    B, T, C = x.shape
+    d = C // n
+    return _expect_shape(got, case.what, (B, n, T, d), {
+        (B, T, n, d): "You split C into (n_head, d) but did not move the head axis before the time axis: "
+                      "add .transpose(1, 2).",
+        (B, d, T, n): "Your axes are in the wrong order: view x as (B, T, n_head, d), then swap axes 1 and 2.",
+    }, dtype=x.dtype)
+
+
+def _split_mistakes(x: Tensor, n: int) -> list[tuple[str, Callable[[], Tensor]]]:
+    B, T, C = x.shape
+    d = C // n
+    return [
+        ("you reshaped (B, T, C) straight into (B, n_head, T, d) without a transpose: that cuts the sequence "
+         "in pieces instead of cutting each position's features. View it as (B, T, n_head, d) first, then "
+         "transpose(1, 2).", lambda: x.reshape(B, n, T, d)),
+        ("your heads take every n_head-th feature (you viewed C as (d, n_head)): head h must hold the "
+         "consecutive features h*d .. (h+1)*d - 1, so view C as (n_head, d).",
+         lambda: x.reshape(B, T, d, n).permute(0, 3, 1, 2)),
+    ]
+
+
+SPLIT_HEADS = Task(
+    "split_heads", _att.split_heads, _GPTLAB_HEADS + _FORBIDDEN_ATTENTION, lambda seed: _heads_cases(seed, False),
+    mistakes=_split_mistakes, expect=_expect_split, show=_show,
+    diagnose=lambda got, want, case: "head h of position t must hold features h*d .. (h+1)*d - 1 of x[:, t].")
 
 
 def check_split_heads(fn: Callable[[Tensor, int], Tensor], seed: int = 0) -> None:
@@ -317,77 +351,43 @@ def check_split_heads(fn: Callable[[Tensor, int], Tensor], seed: int = 0) -> Non
     Head h of position t holds features ``h*d .. (h+1)*d - 1`` of x[:, t] (d = C // n_head): compared
     exactly with :func:`gptlab.attention.split_heads`.
     """
-    require_function(fn, "split_heads")
-    for x, n in [(_numbered((2, 3, 8)), 2)] + _head_inputs(seed):
-        B, T, C = x.shape
-        d = C // n
-        what = f"split_heads(x of shape {(B, T, C)}, n_head={n})"
-        got = call(fn, "split_heads", x, n, forbidden=_GPTLAB_HEADS + _FORBIDDEN_ATTENTION)
-        _expect_shape(got, what, (B, n, T, d), {
-            (B, T, n, d): "You split C into (n_head, d) but did not move the head axis before the time axis: "
-                          "add .transpose(1, 2).",
-            (B, d, T, n): "Your axes are in the wrong order: view x as (B, T, n_head, d), then swap axes 1 and 2.",
-        })
-        got = expect_tensor(got, what, shape=(B, n, T, d), device="cpu")
-        want = _att.split_heads(x, n)
-        if same(got, want):
-            continue
-        candidates = [
-            ("you reshaped (B, T, C) straight into (B, n_head, T, d) without a transpose: that cuts the sequence "
-             "in pieces instead of cutting each position's features. View it as (B, T, n_head, d) first, then "
-             "transpose(1, 2).", x.reshape(B, n, T, d)),
-            ("your heads take every n_head-th feature (you viewed C as (d, n_head)): head h must hold the "
-             "consecutive features h*d .. (h+1)*d - 1, so view C as (n_head, d).",
-             x.reshape(B, T, d, n).permute(0, 3, 1, 2)),
-        ]
-        reason = next((t for t, c in candidates if same(got, c)), None)
-        raise ExerciseError(
-            f"{what} is wrong. Most likely mistake: "
-            f"{reason or 'head h of position t must hold features h*d .. (h+1)*d - 1 of x[:, t].'}\n"
-            f"  input x[0] (T, C):\n{_rows(x[0])}\n"
-            f"  expected [0, :, :, :] (heads, T, d):\n{_rows(want[0])}\n  got [0]:\n{_rows(got[0])}"
-        )
+    SPLIT_HEADS.check(fn, seed)
+
+
+def _expect_merged(got: Any, case: Case) -> Tensor:
+    (h,) = case.args
+    B, H, T, d = h.shape
+    return _expect_shape(got, case.what, (B, T, H * d), {
+        (B, H, T * d): "You merged the wrong axes: move the head axis after the time axis first "
+                       "(transpose(1, 2)), then merge the last two.",
+        (B, T, H, d): "Merge the last two axes too: reshape to (B, T, H * d).",
+    }, dtype=h.dtype)
+
+
+def _merge_mistakes(h: Tensor) -> list[tuple[str, Callable[[], Tensor]]]:
+    B, H, T, d = h.shape
+    return [
+        ("you reshaped (B, H, T, d) straight into (B, T, H * d) without a transpose: that mixes positions. "
+         "Transpose to (B, T, H, d) first (transpose(1, 2)), then reshape.", lambda: h.reshape(B, T, H * d)),
+        ("your features come out in the wrong order (d, H): position t must hold head 0's d features, then "
+         "head 1's, and so on. Transpose with transpose(1, 2) (to (B, T, H, d)), not to (B, T, d, H).",
+         lambda: h.permute(0, 2, 3, 1).reshape(B, T, H * d)),
+    ]
+
+
+MERGE_HEADS = Task(
+    "merge_heads", _att.merge_heads, _GPTLAB_HEADS + _FORBIDDEN_ATTENTION, lambda seed: _heads_cases(seed + 1, True),
+    mistakes=_merge_mistakes, expect=_expect_merged, show=_show,
+    caller=call_with_hint(lambda e, args: "after transpose(1, 2) the tensor is not contiguous in memory, so .view "
+                          "cannot merge its last two axes. Use .reshape(B, T, H * d) (or .contiguous().view(...))."
+                          if "view size is not compatible" in str(e) else None),
+    diagnose=lambda got, want, case: "position t must hold the features of head 0, then head 1, ... (H * d in all).")
 
 
 def check_merge_heads(fn: Callable[[Tensor], Tensor], seed: int = 0) -> None:
     """Check a learner's ``merge_heads(x)``: (B, H, T, d) -> (B, T, H * d), the inverse of
     ``split_heads``. Compared exactly with :func:`gptlab.attention.merge_heads`."""
-    require_function(fn, "merge_heads")
-    for x, n in [(_numbered((2, 3, 8)), 2)] + _head_inputs(seed + 1):
-        # contiguous, like the output of attention (a transposed view could be merged with .view)
-        h = _att.split_heads(x, n).contiguous()
-        B, H, T, d = h.shape
-        what = f"merge_heads(x of shape {(B, H, T, d)})"
-        try:
-            got = call(fn, "merge_heads", h, forbidden=_GPTLAB_HEADS + _FORBIDDEN_ATTENTION)
-        except ExerciseError as e:
-            if "view size is not compatible" in str(e):
-                raise ExerciseError(
-                    f"{e}\n  Most likely mistake: after transpose(1, 2) the tensor is not contiguous in memory, so "
-                    ".view cannot merge its last two axes. Use .reshape(B, T, H * d) (or .contiguous().view(...))."
-                ) from None
-            raise
-        _expect_shape(got, what, (B, T, H * d), {
-            (B, H, T * d): "You merged the wrong axes: move the head axis after the time axis first "
-                           "(transpose(1, 2)), then merge the last two.",
-            (B, T, H, d): "Merge the last two axes too: reshape to (B, T, H * d).",
-        })
-        got = expect_tensor(got, what, shape=(B, T, H * d), device="cpu")
-        if same(got, x):
-            continue
-        candidates = [
-            ("you reshaped (B, H, T, d) straight into (B, T, H * d) without a transpose: that mixes positions. "
-             "Transpose to (B, T, H, d) first (transpose(1, 2)), then reshape.", h.reshape(B, T, H * d)),
-            ("your features come out in the wrong order (d, H): position t must hold head 0's d features, then "
-             "head 1's, and so on. Transpose with transpose(1, 2) (to (B, T, H, d)), not to (B, T, d, H).",
-             h.permute(0, 2, 3, 1).reshape(B, T, H * d)),
-        ]
-        reason = next((t for t, c in candidates if same(got, c)), None)
-        raise ExerciseError(
-            f"{what} is wrong: merge_heads(split_heads(x, n_head)) must give x back. Most likely mistake: "
-            f"{reason or 'position t must hold the features of head 0, then head 1, ... (H * d in all).'}\n"
-            f"  expected [0] (T, H * d):\n{_rows(x[0])}\n  got [0]:\n{_rows(got[0])}"
-        )
+    MERGE_HEADS.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- CausalSelfAttention
@@ -505,11 +505,9 @@ def check_causal_self_attention(cls: type, seed: int = 0) -> None:
         text = f"x of shape {(B, T, C)}, n_head={H} (seeded), with gptlab's c_attn and c_proj weights"
         with torch.no_grad():
             got = call(module, "CausalSelfAttention.forward", x, forbidden=_FORBIDDEN_LAYER)
-            _expect_shape(got, f"CausalSelfAttention({C}, {H})(x)", (B, T, C), {
+            got = _expect_shape(got, f"CausalSelfAttention({C}, {H})(x)", (B, T, C), {
                 (B, H, T, C // H): "Merge the heads back into (B, T, C) and apply self.c_proj.",
-            })
-            got = expect_tensor(got, f"CausalSelfAttention({C}, {H})(x)", shape=(B, T, C), dtype="float",
-                                device="cpu", finite=True)
+            }, dtype="float", finite=True)
             want = ref(x)
             extra = [n for n, _ in module.named_parameters() if not n.startswith(("c_attn.", "c_proj."))]
             mistakes = _layer_mistakes(x, ref, H)

@@ -15,13 +15,14 @@ tasks also PyTorch's ``nn.Transformer.generate_square_subsequent_mask``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import causal_mask as _exported_causal_mask
 from .. import masks as _masks
-from .core import ExerciseError, Forbidden, call, expect_tensor, require_function, same
+from .core import Candidate, ExerciseError, Forbidden, expect_tensor, same
 from .task import Case, Task
 
 __all__ = [
@@ -46,8 +47,7 @@ _GPTLAB_MASKS = (
 
 def _show(t: Tensor) -> str:
     """A small 0/1 picture of a 2-D mask (rows = queries, columns = keys)."""
-    rows = ["".join("1" if v else "." for v in row) for row in t.tolist()]
-    return "\n".join("    " + r for r in rows)
+    return "\n".join("".join("1" if v else "." for v in row) for row in t.tolist())
 
 
 # --------------------------------------------------------------------------- causal_mask
@@ -110,8 +110,41 @@ def diagnose_mask(got: Tensor, T: int) -> str | None:
     return f"query {i} may not attend to key {j}, an earlier (or the same) position it must be able to see."
 
 
-def _mask_shape_hint(got: Tensor) -> str:
-    return "Did you hard-code the size instead of using T?" if got.dim() == 2 else ""
+def _size_cases(name: str) -> Callable[..., list[Case]]:
+    """``(seed, sizes) -> [Case((T,), ...)]``: the cases of a task whose only argument is the size T."""
+    return lambda seed, sizes: [Case((T,), f"T = {T}", f"{name}({T})") for T in sizes]
+
+
+def _expect_bool_mask(got: Any, case: Case) -> Tensor:
+    (T,) = case.args
+    if isinstance(got, Tensor) and tuple(got.shape) != (T, T):
+        raise ExerciseError(
+            f"{case.what} should have shape (T, T) = ({T}, {T}), got {tuple(got.shape)}. "
+            + ("Did you hard-code the size instead of using T?" if got.dim() == 2 else "")
+        )
+    got = expect_tensor(got, case.what, shape=(T, T), device="cpu").cpu()
+    if got.dtype != torch.bool:
+        values = set(torch.unique(got.float()).tolist())
+        if values <= {0.0, NINF} and NINF in values:
+            hint = (
+                "it looks like an additive mask (0 where allowed, -inf where blocked). That is a "
+                "fine way to mask scores, but this task asks for the boolean mask"
+            )
+        elif values <= {0.0, 1.0} and diagnose_mask(got != 0, T) is None:
+            hint = (
+                "its 0/1 pattern is right, but PyTorch treats a float mask as numbers to ADD to the "
+                "scores, so a 0./1. mask would block nothing; convert it with .bool() or build it "
+                "with dtype=torch.bool"
+            )
+        else:
+            hint = "build it with dtype=torch.bool"
+        raise ExerciseError(f"{case.what} should be a bool tensor (True = may attend), got dtype {got.dtype}: {hint}.")
+    return got
+
+
+CAUSAL_MASK = Task(
+    "causal_mask", _masks.causal_mask, _GPTLAB_MASKS, _size_cases("causal_mask"), expect=_expect_bool_mask,
+    diagnose=lambda got, want, case: diagnose_mask(got, *case.args), show=_show, legend="1 = may attend")
 
 
 def check_causal_mask(fn: Callable[[int], Tensor], sizes: Sequence[int] = (5, 1, 2, 3, 8)) -> None:
@@ -120,41 +153,7 @@ def check_causal_mask(fn: Callable[[int], Tensor], sizes: Sequence[int] = (5, 1,
     The expected answer for each ``T`` in ``sizes`` is a bool tensor of shape (T, T), True where
     query i may attend to key j (j <= i). Raises :class:`ExerciseError` with a diagnosis otherwise.
     """
-    require_function(fn, "causal_mask")
-    for T in sizes:
-        got = call(fn, "causal_mask", T, forbidden=_GPTLAB_MASKS)
-        want = _masks.causal_mask(T)
-        if isinstance(got, Tensor) and tuple(got.shape) != (T, T):
-            raise ExerciseError(
-                f"causal_mask({T}) should have shape (T, T) = ({T}, {T}), got {tuple(got.shape)}. "
-                + _mask_shape_hint(got)
-            )
-        got = expect_tensor(got, f"causal_mask({T})", shape=(T, T), device="cpu").cpu()
-        if got.dtype != torch.bool:
-            values = set(torch.unique(got.float()).tolist())
-            additive = values <= {0.0, NINF} and NINF in values
-            if additive:
-                hint = (
-                    "it looks like an additive mask (0 where allowed, -inf where blocked). That is a "
-                    "fine way to mask scores, but this task asks for the boolean mask"
-                )
-            elif values <= {0.0, 1.0} and diagnose_mask(got != 0, T) is None:
-                hint = (
-                    "its 0/1 pattern is right, but PyTorch treats a float mask as numbers to ADD to the "
-                    "scores, so a 0./1. mask would block nothing; convert it with .bool() or build it "
-                    "with dtype=torch.bool"
-                )
-            else:
-                hint = "build it with dtype=torch.bool"
-            raise ExerciseError(
-                f"causal_mask({T}) should be a bool tensor (True = may attend), got dtype {got.dtype}: {hint}."
-            )
-        problem = diagnose_mask(got, T)
-        if problem is not None:
-            raise ExerciseError(
-                f"causal_mask({T}) is wrong: {problem}\n  expected (1 = may attend):\n{_show(want)}\n"
-                f"  got:\n{_show(got)}"
-            )
+    CAUSAL_MASK.check(fn, sizes=sizes)
 
 
 # --------------------------------------------------------------------------- additive_mask
@@ -189,33 +188,31 @@ def _diagnose_additive(got: Tensor, T: int) -> str | None:
     return None
 
 
+def _expect_additive(got: Any, case: Case) -> Tensor:
+    (T,) = case.args
+    if isinstance(got, Tensor) and got.dtype == torch.bool:
+        raise ExerciseError(
+            f"{case.what} returned a bool tensor: that is the boolean mask of the first task. An "
+            "additive mask is a float tensor that is added to the scores: 0 where a query may attend, "
+            "-inf where it may not."
+        )
+    return expect_tensor(got, case.what, shape=(T, T), dtype="float", device="cpu").cpu().float()
+
+
+ADDITIVE_MASK = Task(
+    "additive_mask", _masks.additive_mask, _GPTLAB_MASKS, _size_cases("additive_mask"), expect=_expect_additive,
+    diagnose=lambda got, want, case: _diagnose_additive(got, *case.args)
+    or "it differs from 0 where j <= i and -inf where j > i.",
+    show=lambda t: "\n".join(" ".join(f"{v:>5g}" for v in row) for row in t.tolist()))
+
+
 def check_additive_mask(fn: Callable[[int], Tensor], sizes: Sequence[int] = (5, 1, 2, 4, 7)) -> None:
     """Check a learner's ``additive_mask(T)``: float (T, T), 0 where j <= i and -inf where j > i.
 
     Compared exactly with :func:`gptlab.masks.additive_mask`. Raises :class:`ExerciseError` naming
     the mistake (a large negative number instead of -inf, a boolean or 0/1 mask, the wrong triangle).
     """
-    require_function(fn, "additive_mask")
-    for T in sizes:
-        got = call(fn, "additive_mask", T, forbidden=_GPTLAB_MASKS)
-        if isinstance(got, Tensor) and got.dtype == torch.bool:
-            raise ExerciseError(
-                f"additive_mask({T}) returned a bool tensor: that is the boolean mask of the first task. An "
-                "additive mask is a float tensor that is added to the scores: 0 where a query may attend, "
-                "-inf where it may not."
-            )
-        got = expect_tensor(got, f"additive_mask({T})", shape=(T, T), dtype="float", device="cpu").cpu()
-        want = _masks.additive_mask(T)
-        if same(got.float(), want):
-            continue
-        problem = _diagnose_additive(got.float(), T) or "it differs from 0 where j <= i and -inf where j > i."
-        raise ExerciseError(
-            f"additive_mask({T}) is wrong: {problem}\n  expected:\n{_indent_rows(want)}\n  got:\n{_indent_rows(got)}"
-        )
-
-
-def _indent_rows(t: Tensor) -> str:
-    return "\n".join("    " + " ".join(f"{v:>5g}" for v in row) for row in t.tolist())
+    ADDITIVE_MASK.check(fn, sizes=sizes)
 
 
 # --------------------------------------------------------------------------- masked attention weights
@@ -320,7 +317,7 @@ def check_causal_attention_weights(
 # --------------------------------------------------------------------------- combine_masks
 
 
-def _combine_cases(seed: int) -> list[tuple[Tensor, Tensor]]:
+def _combine_cases(seed: int) -> list[Case]:
     g = torch.Generator().manual_seed(seed)
     cases = []
     for B, T in ((3, 5), (2, 1), (4, 6)):
@@ -331,8 +328,41 @@ def _combine_cases(seed: int) -> list[tuple[Tensor, Tensor]]:
             if B > 2:
                 pad[1] = torch.rand(T, generator=g) > 0.3
                 pad[1, -1] = True
-        cases.append((_masks.causal_mask(T), pad))
+        cases.append(Case((_masks.causal_mask(T), pad), f"causal_mask({T}) and key_padding = {pad.int().tolist()}"))
     return cases
+
+
+def _expect_combined(got: Any, case: Case) -> Tensor:
+    B, T = case.args[1].shape
+    if isinstance(got, Tensor) and tuple(got.shape) == (B, T, T):
+        raise ExerciseError(
+            f"combine_masks returned shape {(B, T, T)}, expected (B, 1, T, T) = {(B, 1, T, T)}: keep an axis of "
+            "size 1 for the heads, so that the mask broadcasts over (B, H, T, T) scores."
+        )
+    return expect_tensor(got, "combine_masks", shape=(B, 1, T, T), dtype=torch.bool, device="cpu").cpu()
+
+
+def _combine_mistakes(causal: Tensor, pad: Tensor) -> list[Candidate]:
+    """Known mistakes of combine_masks, each as (diagnosis, thunk) on this input."""
+    B, T = pad.shape
+    c, p = causal[None, None], pad[:, None, None, :]
+    return [(text, lambda m=m: m.expand(B, 1, T, T)) for text, m in (
+        ("you combined the masks with OR (|): a position must be allowed by BOTH masks, so use AND (&).", c | p),
+        ("you applied the padding to the queries (rows) instead of the keys (columns): padding hides a "
+         "key from every query, so key_padding must index the last axis, key_padding[:, None, None, :].",
+         c & pad[:, None, :, None]),
+        ("your padding convention is inverted: key_padding is True for real tokens and False for padding, "
+         "so keep keys where it is True.", c & ~p),
+        ("you ignored the causal mask: every query can see the future.", p),
+        ("you ignored the padding mask: queries can attend to padding tokens.", c),
+    )]
+
+
+COMBINE_MASKS = Task(
+    "combine_masks", _masks.combine_masks, _GPTLAB_MASKS, _combine_cases, mistakes=_combine_mistakes,
+    expect=_expect_combined, legend="1 = may attend",
+    diagnose=lambda got, want, case: "query i of sequence b may attend key j iff causal[i, j] and key_padding[b, j].",
+    show=lambda t: "\n".join(f"sequence {b}:\n{_show(m[0])}" for b, m in enumerate(t)))
 
 
 def check_combine_masks(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -> None:
@@ -343,34 +373,4 @@ def check_combine_masks(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -
     ``key_padding[b, j]``; the head axis has size 1 so the mask broadcasts over heads. Compared
     exactly with :func:`gptlab.masks.combine_masks`.
     """
-    require_function(fn, "combine_masks")
-    for causal, pad in _combine_cases(seed):
-        B, T = pad.shape
-        got = call(fn, "combine_masks", causal, pad, forbidden=_GPTLAB_MASKS)
-        if isinstance(got, Tensor) and tuple(got.shape) == (B, T, T):
-            raise ExerciseError(
-                f"combine_masks returned shape {(B, T, T)}, expected (B, 1, T, T) = {(B, 1, T, T)}: keep an axis of "
-                "size 1 for the heads, so that the mask broadcasts over (B, H, T, T) scores."
-            )
-        got = expect_tensor(got, "combine_masks", shape=(B, 1, T, T), dtype=torch.bool, device="cpu")
-        want = _masks.combine_masks(causal, pad)
-        if same(got, want):
-            continue
-        c, p = causal[None, None], pad[:, None, None, :]
-        candidates = [
-            ("you combined the masks with OR (|): a position must be allowed by BOTH masks, so use AND (&).", c | p),
-            ("you applied the padding to the queries (rows) instead of the keys (columns): padding hides a "
-             "key from every query, so key_padding must index the last axis, key_padding[:, None, None, :].",
-             c & pad[:, None, :, None]),
-            ("your padding convention is inverted: key_padding is True for real tokens and False for padding, "
-             "so keep keys where it is True.", c & ~p),
-            ("you ignored the causal mask: every query can see the future.", p.expand(B, 1, T, T)),
-            ("you ignored the padding mask: queries can attend to padding tokens.", c.expand(B, 1, T, T)),
-        ]
-        reason = next((text for text, cand in candidates if same(got, cand.expand(B, 1, T, T))), None)
-        b = next(i for i in range(B) if not same(got[i], want[i]))
-        raise ExerciseError(
-            f"combine_masks is wrong: {reason or 'query i of sequence b may attend key j iff causal[i, j] and key_padding[b, j].'}\n"
-            f"  key_padding[{b}] = {pad[b].int().tolist()}\n  expected for sequence {b} (1 = may attend):\n{_show(want[b, 0])}\n"
-            f"  got:\n{_show(got[b, 0])}"
-        )
+    COMBINE_MASKS.check(fn, seed)

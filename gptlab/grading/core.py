@@ -458,13 +458,15 @@ def expect_close(
     mistakes: Iterable[Candidate] = (),
     diagnose: Callable[[Tensor], str | None] | None = None,
     show: Callable[[Tensor], str] = show_tensor,
+    legend: str = "",
 ) -> None:
     """Pass if ``got`` equals ``want`` within ``atol + rtol * |want|``; otherwise name the mistake.
 
     ``mistakes`` are tried in order: the first whose output on the same input equals ``got`` (same
     tolerance) names the mistake; a mistake whose thunk raises is skipped. ``diagnose`` is asked
     next, for mistakes that are recognised by a property rather than an output. The message shows
-    ``inputs``, the expected and the obtained values, and the largest difference.
+    ``inputs``, the expected and the obtained values (``legend``, if given, says how to read them:
+    ``"1 = may attend"``), and the largest difference.
     """
     if close(got, want, atol, rtol):
         return
@@ -482,10 +484,11 @@ def expect_close(
     lines = [f"{what} is wrong."]
     lines.append("  Most likely mistake: " + (reason or "none of the usual ones; compare your steps with the formula above."))
     lines.append(f"  input: {inputs}")
-    lines.append("  expected:\n" + _indent(show(want)))
+    lines.append(f"  expected{f' ({legend})' if legend else ''}:\n" + _indent(show(want)))
     lines.append("  got:\n" + _indent(show(got)))
     if got.is_floating_point() and want.is_floating_point() and got.shape == want.shape:
-        diff = (got.double().cpu() - want.double().cpu()).abs().nan_to_num(nan=math.inf)
+        g, w = got.double().cpu(), want.double().cpu()
+        diff = (g - w).abs().masked_fill(g == w, 0.0).nan_to_num(nan=math.inf, posinf=math.inf)  # -inf == -inf: 0
         idx = _unravel(int(diff.argmax()), tuple(diff.shape))
         lines.append(
             f"  largest difference: {diff.max().item():.3g} at index {idx} "

@@ -44,6 +44,7 @@ from .core import (
     same,
     show_tensor,
 )
+from .task import Case, Task, call_with_hint
 
 __all__ = [
     "check_encode",
@@ -232,12 +233,12 @@ _BATCH_FORBIDDEN = (
 )
 
 
-def _batch_cases(seed: int) -> list[tuple[Tensor, int, Tensor]]:
+def _batch_cases(seed: int) -> list[Case]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 65, (20,), generator=g)
     big = torch.randint(0, 65, (1000,), generator=g)
     big_starts = torch.cat([torch.randint(0, 1000 - 16, (7,), generator=g), torch.tensor([1000 - 16 - 1])])
-    return [
+    cases = [
         (ids, 4, torch.tensor([2, 5, 9])),
         (ids, 1, torch.tensor([3])),  # T = 1
         (ids, 4, torch.tensor([15, 7])),  # 15 = N - T - 1: the last window that fits
@@ -245,10 +246,82 @@ def _batch_cases(seed: int) -> list[tuple[Tensor, int, Tensor]]:
         (ids, 3, torch.tensor([0, 0, 16])),  # start 0, repeated starts
         (big, 16, big_starts),
     ]
+    return [Case(c, f"ids = {describe(c[0])}, block_size = {c[1]}, starts = {c[2].tolist()}") for c in cases]
 
 
-def _window(ids: Tensor, starts: Tensor, T: int, shift: int) -> Tensor:
-    return torch.stack([ids[int(s) + shift : int(s) + shift + T] for s in starts])
+def _crash_hint(e: ExerciseError, args: tuple) -> str | None:
+    """The usual cause of a crash on the last window that fits."""
+    ids, T, starts = args
+    last = len(ids) - T - 1
+    if e.__cause__ is None or last not in starts.tolist():
+        return None
+    return (f"a slice reads past the end of ids. Start {last} = N - block_size - 1 is the last window that fits "
+            f"(N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. Slices that go further come out "
+            "shorter than block_size: x = ids[s : s + block_size], y = ids[s + 1 : s + block_size + 1].")
+
+
+def _expect_batch(got: Any, case: Case) -> Tensor:
+    """The pair (x, y), checked and stacked into one (2, B, T) int64 tensor."""
+    ids, T, starts = case.args
+    B = len(starts)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        raise ExerciseError(f"next_token_batch should return a pair (x, y) of tensors, got {describe(got)}.")
+    for name, t in zip("xy", got):
+        if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == B and t.shape[1] != T:
+            d = t.shape[1] - T
+            hint = (f"{name} has {t.shape[1]} = block_size {'+' if d > 0 else '-'} {abs(d)} columns: "
+                    "x and y are both block_size long, x = ids[s : s + block_size] and "
+                    "y = ids[s + 1 : s + block_size + 1].")
+            raise ExerciseError(f"for {case.text}: {hint}")
+        if isinstance(t, Tensor) and t.dim() == 2 and tuple(t.shape) == (T, B) and T != B:
+            raise ExerciseError(f"for {case.text}: {name} has shape {(T, B)}, the transpose of (B, T) = {(B, T)}: "
+                                "stack the windows along a new first dimension (torch.stack(windows) or dim=0).")
+        expect_tensor(t, f"{name} of next_token_batch", shape=(B, T), device="cpu",
+                      hint_shape="Each row is one window of block_size tokens; there is one row per start.")
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise ExerciseError(f"{name} of next_token_batch should hold integer token ids (dtype {ids.dtype}), "
+                                f"got dtype {t.dtype}: slice ids instead of building new float tensors.")
+    return torch.stack([t.detach().cpu().long() for t in got])
+
+
+def _batch_mistakes(ids: Tensor, T: int, starts: Tensor) -> list[tuple[str, Callable[[], Tensor]]]:
+    """Known mistakes of next_token_batch, each as (diagnosis, thunk of the stacked (x, y))."""
+    x, y = _data.batch_at(ids, starts, T)
+
+    def w(shift: int) -> Tensor:  # the windows that start `shift` tokens after each start
+        return torch.stack([ids[int(s) + shift : int(s) + shift + T] for s in starts])
+
+    stack = torch.stack
+    late = "x starts one token late: x = ids[s : s + block_size] starts AT s, and y one token later."
+    early = "x starts one token early: x = ids[s : s + block_size] starts AT s."
+    return [
+        ("your targets are not shifted: y equals x, so the model would be asked to copy its input. "
+         "y[b, t] is the token AFTER x[b, t]: y = ids[s + 1 : s + block_size + 1].", lambda: stack([x, x])),
+        ("your targets are shifted the wrong way (the token before, ids[s - 1 : ...]): y must be the NEXT "
+         "tokens, ids[s + 1 : s + block_size + 1].", lambda: stack([x, w(-1)])),
+        ("your targets are shifted by 2: y = ids[s + 1 : s + block_size + 1], one step after x.",
+         lambda: stack([x, w(2)])),
+        ("x and y are swapped: x = ids[s : s + block_size] is the input, y (one step later) the target.",
+         lambda: stack([y, x])),
+        (late, lambda: stack([y, w(2)])), (late, lambda: stack([y, y])),
+        (early, lambda: stack([w(-1), x])), (early, lambda: stack([w(-1), y])),
+    ]
+
+
+def _batch_diagnosis(got: Tensor, want: Tensor, case: Case) -> str:
+    return (f"{'y' if same(got[0], want[0]) else 'x'} differs: x[b] must be ids[s_b : s_b + block_size] and "
+            "y[b] = ids[s_b + 1 : s_b + block_size + 1], with s_b = starts[b].")
+
+
+def _rows(t: Tensor, max_rows: int = 4) -> str:
+    lines = [str(row) for row in t[:max_rows].tolist()] + ([f"... ({t.shape[0]} rows)"] if t.shape[0] > max_rows else [])
+    return "\n".join(lines)
+
+
+NEXT_TOKEN_BATCH = Task(
+    "next_token_batch", lambda ids, T, starts: torch.stack(_data.batch_at(ids, starts, T)), _BATCH_FORBIDDEN,
+    _batch_cases, mistakes=_batch_mistakes, expect=_expect_batch, diagnose=_batch_diagnosis, caller=call_with_hint(_crash_hint),
+    show=lambda t: f"x:\n{_rows(t[0])}\ny:\n{_rows(t[1])}")
 
 
 def check_next_token_batch(fn: Callable[[Tensor, int, Tensor], tuple], seed: int = 0) -> None:
@@ -259,89 +332,7 @@ def check_next_token_batch(fn: Callable[[Tensor, int, Tensor], tuple], seed: int
     (T = ``block_size``), compared exactly with :func:`gptlab.data.batch_at`. The cases include the
     last start that fits (N - T - 1), T = 1 and a batch of one.
     """
-    require_function(fn, "next_token_batch")
-    for ids, T, starts in _batch_cases(seed):
-        B = len(starts)
-        inputs = f"ids = {describe(ids)}, block_size = {T}, starts = {starts.tolist()}"
-        try:
-            got = call(fn, "next_token_batch", ids, T, starts, forbidden=_BATCH_FORBIDDEN)
-        except DelegationError:
-            raise
-        except ExerciseError as e:
-            last = len(ids) - T - 1
-            if e.__cause__ is not None and last in starts.tolist():
-                raise ExerciseError(
-                    f"{e}\n  Most likely mistake: a slice reads past the end of ids. Start {last} = N - block_size - 1 "
-                    f"is the last window that fits (N = {len(ids)}): its y ends exactly at the last token, ids[N - 1]. "
-                    "Slices that go further come out shorter than block_size: x = ids[s : s + block_size], "
-                    "y = ids[s + 1 : s + block_size + 1]."
-                ) from None
-            raise
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            raise ExerciseError(f"next_token_batch should return a pair (x, y) of tensors, got {describe(got)}.")
-        x, y = got
-        want_x, want_y = _data.batch_at(ids, starts, T)
-        for name, t, want in (("x", x, want_x), ("y", y, want_y)):
-            if isinstance(t, Tensor) and t.dim() == 2 and t.shape[0] == B and t.shape[1] != T:
-                d = t.shape[1] - T
-                hint = (f"{name} has {t.shape[1]} = block_size {'+' if d > 0 else '-'} {abs(d)} columns: "
-                        "x and y are both block_size long, x = ids[s : s + block_size] and "
-                        "y = ids[s + 1 : s + block_size + 1].")
-                raise ExerciseError(f"for {inputs}: {hint}")
-            if isinstance(t, Tensor) and t.dim() == 2 and tuple(t.shape) == (T, B) and T != B:
-                raise ExerciseError(f"for {inputs}: {name} has shape {(T, B)}, the transpose of (B, T) = {(B, T)}: "
-                                    "stack the windows along a new first dimension (torch.stack(windows) or dim=0).")
-            expect_tensor(t, f"{name} of next_token_batch", shape=(B, T), device="cpu",
-                          hint_shape="Each row is one window of block_size tokens; there is one row per start.")
-            if t.is_floating_point() or t.dtype == torch.bool:
-                raise ExerciseError(f"{name} of next_token_batch should hold integer token ids (dtype {ids.dtype}), "
-                                    f"got dtype {t.dtype}: slice ids instead of building new float tensors.")
-        x, y = x.long(), y.long()
-        if same(x, want_x) and same(y, want_y):
-            continue
-        if same(x, want_x):
-            candidates = [
-                ("your targets are not shifted: y equals x, so the model would be asked to copy its input. "
-                 "y[b, t] is the token AFTER x[b, t]: y = ids[s + 1 : s + block_size + 1].", x),
-                ("your targets are shifted the wrong way (the token before, ids[s - 1 : ...]): y must be the NEXT "
-                 "tokens, ids[s + 1 : s + block_size + 1].", _try(lambda: _window(ids, starts, T, -1))),
-                ("your targets are shifted by 2: y = ids[s + 1 : s + block_size + 1], one step after x.",
-                 _try(lambda: _window(ids, starts, T, 2))),
-            ]
-            what, wrong, want = "y", y, want_y
-        else:
-            swapped = same(x, want_y) and same(y, want_x)
-            candidates = [
-                ("x and y are swapped: x = ids[s : s + block_size] is the input, y (one step later) the target.",
-                 want_y if swapped else None),
-                ("x starts one token late: x = ids[s : s + block_size] starts AT s, and y one token later.",
-                 want_y),
-                ("x starts one token early: x = ids[s : s + block_size] starts AT s.",
-                 _try(lambda: _window(ids, starts, T, -1))),
-            ]
-            what, wrong, want = "x", x, want_x
-        reason = next((r for r, c in candidates if isinstance(c, Tensor) and same(wrong, c)), None)
-        if reason is None:
-            reason = ("x[b] must be ids[s_b : s_b + block_size] and y[b] = ids[s_b + 1 : s_b + block_size + 1], "
-                      "with s_b = starts[b].")
-        raise ExerciseError(
-            f"next_token_batch is wrong ({what} differs): {reason}\n  input: {inputs}\n"
-            f"  expected {what}:\n{_rows(want)}\n  got {what}:\n{_rows(wrong)}"
-        )
-
-
-def _try(thunk: Callable[[], Tensor]) -> Tensor | None:
-    try:
-        return thunk()
-    except Exception:
-        return None
-
-
-def _rows(t: Tensor, max_rows: int = 4) -> str:
-    lines = [f"      {row}" for row in t[:max_rows].tolist()]
-    if t.shape[0] > max_rows:
-        lines.append(f"      ... ({t.shape[0]} rows)")
-    return "\n".join(lines)
+    NEXT_TOKEN_BATCH.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- cross_entropy
@@ -362,16 +353,18 @@ def reference_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits, targets)
 
 
-def _ce_cases(seed: int) -> list[tuple[str, Tensor, Tensor]]:
+def _ce_cases(seed: int) -> list[Case]:
+    """Seeded logits (leaves that require grad: the gradient is checked too) and targets."""
     g = torch.Generator().manual_seed(seed)
     cases = []
     for N, V, scale in ((6, 5, 2.0), (1, 3, 1.0), (32, 65, 3.0)):
-        cases.append((f"logits of shape ({N}, {V}) (seeded, values up to about {3 * scale:g})",
-                      torch.randn(N, V, generator=g) * scale, torch.randint(0, V, (N,), generator=g)))
+        logits = (torch.randn(N, V, generator=g) * scale).requires_grad_(True)
+        cases.append(Case((logits, torch.randint(0, V, (N,), generator=g)),
+                          f"logits of shape ({N}, {V}) (seeded, values up to about {3 * scale:g})"))
     # large logits: exp(1e4) overflows float32; targets avoid the argmax so that log(softmax) underflows
     big = torch.randn(4, 7, generator=g) * 1e4
     targets = (big.argmax(dim=1) + 1 + torch.randint(0, 6, (4,), generator=g)) % 7
-    cases.append(("logits of shape (4, 7) with values about 1e4 in size", big, targets))
+    cases.append(Case((big.requires_grad_(True), targets), "logits of shape (4, 7) with values about 1e4 in size"))
     return cases
 
 
@@ -403,6 +396,38 @@ def _ce_mistakes(logits: Tensor, targets: Tensor) -> list:
     ]
 
 
+def _show_number(t: Tensor) -> str:
+    return f"{t.item():.6g}" if t.dim() == 0 else show_tensor(t, decimals=6)
+
+
+def _expect_loss(got: Any, case: Case) -> Tensor:
+    logits, targets = case.args
+    N = logits.shape[0]
+    if isinstance(got, (float, int)) and not isinstance(got, bool):
+        raise ExerciseError(
+            f"cross_entropy returned a Python number ({got:.4g}); return the 0-d tensor instead (no .item()), "
+            "so that loss.backward() can compute the gradient."
+        )
+    if isinstance(got, Tensor) and got.dim() == 1 and got.shape[0] == N and N > 1:
+        raise ExerciseError(
+            f"cross_entropy returned shape ({N},), one loss per row: return their mean, a 0-d tensor (.mean())."
+        )
+    got = expect_tensor(got, "cross_entropy", shape=(), dtype="float", device="cpu",
+                        hint_shape="The loss is one number: the mean over the N rows, a 0-d tensor.")
+    if not bool(torch.isfinite(got)):
+        raise ExerciseError(
+            f"cross_entropy is {got.item()} for {case.text}; expected {reference_cross_entropy(*case.args).item():.6g}. "
+            "It is not numerically stable: exp(1e4) overflows to inf (and inf/inf = nan), and a probability that "
+            "underflows to 0 gives log(0) = -inf. Subtract each row's maximum before exp (the log-sum-exp shift) and "
+            "compute log-probabilities as (logits - max) - log(sum(exp(logits - max))), never log(softmax)."
+        )
+    return got
+
+
+CROSS_ENTROPY = Task("cross_entropy", reference_cross_entropy, _CE_FORBIDDEN + _SHIFT_FORBIDDEN, _ce_cases,
+                     atol=1e-5, rtol=1e-4, mistakes=_ce_mistakes, expect=_expect_loss, show=_show_number)
+
+
 def check_cross_entropy(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -> None:
     """Check a learner's ``cross_entropy(logits, targets) -> 0-d tensor``.
 
@@ -412,41 +437,18 @@ def check_cross_entropy(fn: Callable[[Tensor, Tensor], Tensor], seed: int = 0) -
     with ``(softmax(logits) - onehot(targets)) / N`` (same tolerance). Forbids the fused losses,
     ``torch.logsumexp`` and ``log_softmax``.
     """
-    require_function(fn, "cross_entropy")
-    for inputs, logits, targets in _ce_cases(seed):
-        N = logits.shape[0]
-        leaf = logits.clone().requires_grad_(True)
-        got_raw = call(fn, "cross_entropy", leaf, targets, forbidden=_CE_FORBIDDEN + _SHIFT_FORBIDDEN)
-        if isinstance(got_raw, (float, int)) and not isinstance(got_raw, bool):
-            raise ExerciseError(
-                f"cross_entropy returned a Python number ({got_raw:.4g}); return the 0-d tensor instead (no .item()), "
-                "so that loss.backward() can compute the gradient."
-            )
-        if isinstance(got_raw, Tensor) and got_raw.dim() == 1 and got_raw.shape[0] == N and N > 1:
-            raise ExerciseError(
-                f"cross_entropy returned shape ({N},), one loss per row: return their mean, a 0-d tensor (.mean())."
-            )
-        got = expect_tensor(got_raw, "cross_entropy", shape=(), dtype="float", device="cpu",
-                            hint_shape="The loss is one number: the mean over the N rows, a 0-d tensor.")
-        want = reference_cross_entropy(logits, targets)
-        if not bool(torch.isfinite(got)):
-            raise ExerciseError(
-                f"cross_entropy is {got.item()} for {inputs}; expected {want.item():.6g}. It is not numerically "
-                "stable: exp(1e4) overflows to inf (and inf/inf = nan), and a probability that underflows to 0 "
-                "gives log(0) = -inf. Subtract each row's maximum before exp (the log-sum-exp shift) and compute "
-                "log-probabilities as (logits - max) - log(sum(exp(logits - max))), never log(softmax)."
-            )
-        expect_close(got, want, "cross_entropy", inputs, atol=1e-5, rtol=1e-4, mistakes=_ce_mistakes(logits, targets),
-                     show=lambda t: f"{t.item():.6g}" if t.dim() == 0 else show_tensor(t, decimals=6))
-        # the gradient: backward through the learner's graph
-        if not got_raw.requires_grad:
+    CROSS_ENTROPY.check(fn, seed)
+    for case in CROSS_ENTROPY.cases(seed):  # the gradient: backward through the learner's graph
+        logits, targets = case.args
+        loss = call(fn, "cross_entropy", logits, targets, forbidden=CROSS_ENTROPY.forbidden)
+        if not loss.requires_grad:
             raise ExerciseError(
                 "cross_entropy's result is cut off from the logits: it has no gradient (did you use .item(), "
                 ".detach(), torch.tensor(...) on a result, or numpy?). Compute it with tensor operations on logits."
             )
-        (grad,) = torch.autograd.grad(got_raw, leaf)
-        want_grad = (torch.softmax(logits, dim=1) - F.one_hot(targets, logits.shape[1]).float()) / N
-        expect_close(grad, want_grad, "the gradient of cross_entropy with respect to the logits", inputs,
+        (grad,) = torch.autograd.grad(loss, logits)
+        want_grad = (torch.softmax(logits.detach(), dim=1) - F.one_hot(targets, logits.shape[1]).float()) / len(targets)
+        expect_close(grad, want_grad, "the gradient of cross_entropy with respect to the logits", case.text,
                      atol=1e-5, rtol=1e-4,
                      diagnose=lambda g: "it should be (softmax(logits) - onehot(targets)) / N; a value that is right "
                                         "but whose gradient is wrong usually comes from a detached piece (e.g. the "
@@ -459,34 +461,43 @@ _PPL_FORBIDDEN = (Forbidden(_bigram.perplexity, "gptlab.bigram.perplexity"),)
 _NLLS = (0.0, 1.0, math.log(65), 2.4818894, 0.25, 4.5)
 
 
+def _ppl_cases(seed: int | None) -> list[Case]:
+    """The fixed mean losses, and three drawn from ``seed`` (none when it is None)."""
+    values = list(_NLLS) + ([random.Random(seed).uniform(0.05, 6.0) for _ in range(3)] if seed is not None else [])
+    return [Case((x,), f"mean_nll = {x!r}", f"perplexity({x:.6g})") for x in values]
+
+
+def _expect_number(got: Any, case: Case) -> Tensor:
+    if isinstance(got, Tensor):
+        raise ExerciseError(f"{case.what} returned a tensor; return a Python float (math.exp, or .item()).")
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        extra = " (did you forget a return statement?)" if got is None else ""
+        raise ExerciseError(f"{case.what} should return a float, got {describe(got)}{extra}.")
+    return torch.tensor(float(got), dtype=torch.float64)
+
+
+def _ppl_mistakes(x: float) -> list[tuple[str, Callable[[], float]]]:
+    return [
+        ("you used base 2 (2 ** loss): the loss is in nats (natural log), so the perplexity is e ** loss, "
+         "math.exp(loss).", lambda: 2.0**x),
+        ("you used base 10 (10 ** loss): the loss is in nats (natural log), so the perplexity is math.exp(loss).",
+         lambda: 10.0**x),
+        ("you took exp(-loss), the geometric-mean probability of the targets; the perplexity is its inverse, "
+         "exp(+loss).", lambda: math.exp(-x)),
+        ("you returned the loss itself: the perplexity is exp(loss).", lambda: x),
+        ("you took the log of the loss: the perplexity is exp(loss).", lambda: math.log(x)),
+    ]
+
+
+PERPLEXITY = Task("perplexity", math.exp, _PPL_FORBIDDEN, _ppl_cases, rtol=1e-6, mistakes=_ppl_mistakes,
+                  expect=_expect_number, show=_show_number,
+                  diagnose=lambda got, want, case: "the perplexity of a mean loss L (nats) is exp(L).")
+
+
 def check_perplexity(fn: Callable[[float], float], seed: int | None = None) -> None:
     """Check a learner's ``perplexity(mean_nll) -> float`` against ``math.exp`` (relative 1e-6).
 
     ``mean_nll`` is a mean negative log-likelihood in nats (natural log), as ``cross_entropy``
     returns; the perplexity is ``exp(mean_nll)``, a Python float.
     """
-    require_function(fn, "perplexity")
-    values = list(_NLLS) + ([random.Random(seed).uniform(0.05, 6.0) for _ in range(3)] if seed is not None else [])
-    for x in values:
-        got = call(fn, "perplexity", x, forbidden=_PPL_FORBIDDEN)
-        want = math.exp(x)
-        if isinstance(got, Tensor):
-            raise ExerciseError(f"perplexity({x:.6g}) returned a tensor; return a Python float (math.exp, or .item()).")
-        if isinstance(got, bool) or not isinstance(got, (int, float)):
-            extra = " (did you forget a return statement?)" if got is None else ""
-            raise ExerciseError(f"perplexity({x:.6g}) should return a float, got {describe(got)}{extra}.")
-        if abs(got - want) <= 1e-6 * want:
-            continue
-        candidates = [
-            ("you used base 2 (2 ** loss): the loss is in nats (natural log), so the perplexity is e ** loss, "
-             "math.exp(loss).", 2.0**x),
-            ("you used base 10 (10 ** loss): the loss is in nats (natural log), so the perplexity is math.exp(loss).",
-             10.0**x),
-            ("you took exp(-loss), the geometric-mean probability of the targets; the perplexity is its inverse, "
-             "exp(+loss).", math.exp(-x)),
-            ("you returned the loss itself: the perplexity is exp(loss).", x),
-            ("you took the log of the loss: the perplexity is exp(loss).", math.log(x) if x > 0 else None),
-        ]
-        reason = next((r for r, c in candidates if c is not None and abs(got - c) <= 1e-6 * max(abs(c), 1e-12)),
-                      "the perplexity of a mean loss L (nats) is exp(L).")
-        raise ExerciseError(f"perplexity({x:.6g}) is wrong: {reason}\n  expected: {want:.6g}\n  got:      {got:.6g}")
+    PERPLEXITY.check(fn, seed)

@@ -30,11 +30,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .core import Candidate, Forbidden, call, expect_close, expect_tensor, require_function, show_tensor
+from .core import (Candidate, DelegationError, ExerciseError, Forbidden, call, expect_close, expect_tensor,
+                   require_function, show_tensor)
 
-__all__ = ["Case", "Task", "same_as_first"]
+__all__ = ["Case", "Task", "same_as_first", "call_with_hint"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,24 @@ def same_as_first(got: Any, case: Case) -> Tensor:
     return expect_tensor(got, case.what, shape=like.shape, dtype="float", device=like.device, finite=True).float()
 
 
+def call_with_hint(hint: Callable[[ExerciseError, tuple], str | None]) -> Callable[..., Any]:
+    """A :attr:`Task.caller`: :func:`~gptlab.grading.core.call`, whose failure (other than a delegation)
+    gets "Most likely mistake: ``hint(error, args)``" where the hint names one (the usual cause of a crash)."""
+
+    def caller(fn: Callable[..., Any], name: str, *args: Any, forbidden: Sequence[Forbidden] = ()) -> Any:
+        try:
+            return call(fn, name, *args, forbidden=forbidden)
+        except DelegationError:
+            raise
+        except ExerciseError as e:
+            reason = hint(e, args)
+            if reason is None:
+                raise
+            raise ExerciseError(f"{e}\n  Most likely mistake: {reason}") from None
+
+    return caller
+
+
 def _no_mistakes(*args: Any) -> list[Candidate]:
     return []
 
@@ -70,6 +90,8 @@ class Task:
     checks, which raise with a hint), ``want = reference(*case.args)``, then
     :func:`~gptlab.grading.core.expect_close` within ``atol + rtol * |want|``, trying
     ``mistakes(*case.args)`` in order and then ``diagnose(got, want, case)`` to name the mistake.
+    A reference that answers a Python number (``math.exp``) is compared as a float64 0-d tensor;
+    ``expect`` then turns the learner's number into one too.
     """
 
     name: str
@@ -93,6 +115,8 @@ class Task:
     """How the learner's function is called (``call``, or a wrapper that forbids more)."""
     show: Callable[[Tensor], str] = show_tensor
     """How a message shows the expected and the obtained tensors."""
+    legend: str = ""
+    """How to read what :attr:`show` shows, after "expected" in a message (e.g. ``"1 = may attend"``)."""
 
     def check(self, fn: Callable[..., Any], seed: int = 0, **options: Any) -> None:
         """Raise :class:`~gptlab.grading.core.ExerciseError` naming the mistake unless ``fn`` agrees
@@ -107,8 +131,10 @@ class Task:
         got = self.caller(fn, self.name, *case.args, forbidden=tuple(self.forbidden))
         got = self.expect(got, case)
         want = self.reference(*case.args)
+        if isinstance(want, (int, float)):
+            want = torch.tensor(want, dtype=torch.float64)
         diagnose = None
         if self.diagnose is not None:
             diagnose = lambda g, w=want, c=case: self.diagnose(g, w, c)  # noqa: E731
         expect_close(got, want, case.what or self.name, case.text, self.atol, self.rtol,
-                     mistakes=self.mistakes(*case.args), diagnose=diagnose, show=self.show)
+                     mistakes=self.mistakes(*case.args), diagnose=diagnose, show=self.show, legend=self.legend)
