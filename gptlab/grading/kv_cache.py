@@ -32,7 +32,9 @@ from .. import kvcache as _kvcache
 from ..attention import CausalSelfAttention, attention, merge_heads, split_heads
 from ..masks import causal_mask
 from ..model import GPT, Block, GPTConfig
-from .core import ExerciseError, Forbidden, call, entries_of, expect_close, expect_tensor, require_function, same, show_tensor
+from .core import (Candidate, ExerciseError, Forbidden, as_number, call, call_by_keyword, entries_of, expect_close,
+                   expect_number, expect_tensor, require_function, same, show_number, show_tensor)
+from .task import Case, Task
 
 __all__ = [
     "check_kv_cache",
@@ -367,67 +369,59 @@ def check_generate_cached(fn: Callable, seed: int = 0, n: int = 10) -> None:
 
 # --------------------------------------------------------------------------- memory
 
-_BYTES_CASES = [
+_BYTES_CASES = [  # the first tells every listed mistake apart (with 2-byte elements "keys only" and "elements" agree)
+    dict(n_layer=6, n_kv_head=6, head_dim=64, seq_len=256, batch=3, bytes_per_elem=4),
     dict(n_layer=36, n_kv_head=20, head_dim=64, seq_len=1024, batch=1, bytes_per_elem=2),  # GPT-2 Large, fp16
     dict(n_layer=32, n_kv_head=8, head_dim=128, seq_len=4096, batch=4, bytes_per_elem=2),  # a GQA model
-    dict(n_layer=6, n_kv_head=6, head_dim=64, seq_len=256, batch=3, bytes_per_elem=4),
     dict(n_layer=1, n_kv_head=1, head_dim=1, seq_len=1, batch=1, bytes_per_elem=4),
 ]
 
 
-def _bytes_mistakes(c: dict) -> list[tuple[str, int]]:
+def _bytes_cases(seed: int | None) -> list[Case]:
+    """:data:`_BYTES_CASES`, and with ``seed`` three more drawn from it (the autograder's hidden ones,
+    unknown in advance)."""
+    cases = list(_BYTES_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        cases += [dict(n_layer=r.randint(2, 48), n_kv_head=r.randint(1, 32), head_dim=r.choice([16, 32, 64, 80, 96, 128]),
+                       seq_len=r.randint(3, 8192), batch=r.randint(2, 9), bytes_per_elem=r.choice([2, 4, 8]))
+                  for _ in range(3)]
+    texts = [", ".join(f"{k}={v}" for k, v in c.items()) for c in cases]
+    return [Case((c,), text, f"kv_cache_bytes({text})") for c, text in zip(cases, texts)]
+
+
+def _bytes_mistakes(c: dict) -> list[Candidate]:
     want = _kvcache.kv_cache_bytes(**c)
     return [
-        ("you counted the keys only: the cache holds keys AND values (a factor 2).", want // 2),
+        ("you counted the keys only: the cache holds keys AND values (a factor 2).", lambda: want // 2),
         ("you counted elements, not bytes: multiply by bytes_per_elem (2 for float16, 4 for float32).",
-         want // c["bytes_per_elem"]),
-        ("you counted bits: bytes_per_elem is already in bytes.", want * 8),
-        ("you left out the batch: every sequence of the batch has its own cache.", want // c["batch"]),
-        ("you left out the layers: every layer caches its own keys and values.", want // c["n_layer"]),
-        ("you left out head_dim: each cached key and value is a vector of head_dim numbers.", want // c["head_dim"]),
+         lambda: want // c["bytes_per_elem"]),
+        ("you counted bits: bytes_per_elem is already in bytes.", lambda: want * 8),
+        ("you left out the batch: every sequence of the batch has its own cache.", lambda: want // c["batch"]),
+        ("you left out the layers: every layer caches its own keys and values.", lambda: want // c["n_layer"]),
+        ("you left out head_dim: each cached key and value is a vector of head_dim numbers.",
+         lambda: want // c["head_dim"]),
     ]
 
 
-def _random_bytes_cases(seed: int) -> list[dict]:
-    """Cases drawn from ``seed`` (the autograder's hidden ones, unknown in advance)."""
-    r = random.Random(seed)
-    return [dict(n_layer=r.randint(2, 48), n_kv_head=r.randint(1, 32), head_dim=r.choice([16, 32, 64, 80, 96, 128]),
-                 seq_len=r.randint(3, 8192), batch=r.randint(2, 9), bytes_per_elem=r.choice([2, 4, 8]))
-            for _ in range(3)]
+def _expect_bytes(got, case: Case) -> Tensor:
+    got = got.item() if isinstance(got, Tensor) and got.numel() == 1 else got
+    if isinstance(got, float) and got.is_integer():
+        raise ExerciseError(f"{case.what} returned the float {got}: return an int (a number of bytes).")
+    return expect_number(got, case.what, integer=True)
+
+
+KV_CACHE_BYTES = Task(
+    "kv_cache_bytes", lambda c: as_number(_kvcache.kv_cache_bytes(**c)),
+    entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for"), _bytes_cases, mistakes=_bytes_mistakes,
+    expect=_expect_bytes, caller=call_by_keyword, show=show_number,
+    diagnose=lambda got, want, case: "none of the usual ones: 2 (k and v) x n_layer x batch x n_kv_head x seq_len x "
+                                     "head_dim x bytes_per_elem.")
 
 
 def check_kv_cache_bytes(fn: Callable[..., int], seed: int | None = None) -> None:
     """Check ``kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch, bytes_per_elem) -> int``
     against :func:`gptlab.kvcache.kv_cache_bytes` (keys AND values), exactly, called by keyword.
-    With ``seed``, three more cases drawn from it (the autograder's hidden cases).
-
-    The mistake is named from all the cases together (a formula that fits every one of them), since
-    a single case can fit two mistakes (with 2-byte elements, "keys only" and "elements" agree).
-    """
-    require_function(fn, "kv_cache_bytes")
-    forbidden = entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for")
-    results = []
-    cases = _BYTES_CASES + (_random_bytes_cases(seed) if seed is not None else [])
-    for case in cases:
-        got = call(fn, "kv_cache_bytes", forbidden=forbidden, **case)
-        args = ", ".join(f"{k}={v}" for k, v in case.items())
-        if isinstance(got, Tensor) and got.numel() == 1:
-            got = got.item()
-        if isinstance(got, float) and got.is_integer():
-            raise ExerciseError(f"kv_cache_bytes({args}) returned the float {got}: return an int (a number of bytes).")
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"kv_cache_bytes({args}) should return an int, got {type(got).__name__}.")
-        results.append((case, args, got, _kvcache.kv_cache_bytes(**case)))
-    wrong = [r for r in results if r[2] != r[3]]
-    if not wrong:
-        return
-    reason = None
-    for i, (text, _) in enumerate(_bytes_mistakes(_BYTES_CASES[0])):
-        if all(got == _bytes_mistakes(case)[i][1] for case, _, got, _ in results):
-            reason = text
-            break
-    case, args, got, want = wrong[0]
-    raise ExerciseError(
-        f"kv_cache_bytes({args}) is wrong: expected {want:,}, got {got:,}.\n  Most likely mistake: "
-        + (reason or "none of the usual ones: 2 (k and v) x n_layer x batch x n_kv_head x seq_len x head_dim x bytes_per_elem.")
-    )
+    With ``seed``, three more cases drawn from it (the autograder's hidden cases). The mistake is
+    named on the first case that differs."""
+    KV_CACHE_BYTES.check(fn, seed)
