@@ -158,6 +158,10 @@ class _ReferenceCache:
         k_all, v_all, _ = self._inner.update(0, k, v)
         return k_all, v_all
 
+    def held(self) -> tuple[Tensor, Tensor]:
+        """Every key and value cached so far, (B, H, S, d) each."""
+        return self._inner.k[0], self._inner.v[0]
+
     # the autograder sends this cache to the learner's process as a recipe, and reads it back
     def __gptlab_portable__(self):
         return "gptlab.grading.kv_cache:_ReferenceCache.rebuilt", [self._inner.k[0], self._inner.v[0], self.calls]
@@ -181,51 +185,69 @@ class _ReferenceCache:
         return cache
 
 
+def _step_cases(seed: int) -> list[Case]:
+    """Three steps of one token: caches that hold 5, 6 and 7 seeded tokens (each holds the previous
+    step's tokens and its new one), and q, k_new, v_new (2, 3, 1, 8)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
+    cases = []
+    for step in range(3):
+        q, k_new, v_new = (torch.randn(2, 3, 1, 8, generator=g) for _ in range(3))
+        cache = _ReferenceCache()
+        cache.update(k, v)
+        cases.append(Case((q, cache, k_new, v_new), f"q, k_new, v_new of shape {tuple(q.shape)} (seeded)",
+                          f"cached_attention_step (step {step + 1}, {k.shape[2]} tokens cached before it)"))
+        k, v = torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2)
+    return cases
+
+
+def _expect_step(got, case: Case) -> Tensor:
+    """The cache was updated exactly once (its prefill was its first call), so that the reference and
+    the mistakes can read it as the learner's step left it; then the output is (B, H, 1, d)."""
+    q, cache = case.args[:2]
+    if cache.calls == 1:
+        raise ExerciseError(f"{case.what}: you never called cache.update(k_new, v_new): the new token's key and value "
+                            "must be stored, and the query attends over them too.")
+    if cache.calls > 2:
+        raise ExerciseError(f"{case.what}: you called cache.update {cache.calls - 1} times: store the new key and "
+                            "value exactly once per step.")
+    return expect_tensor(got, case.what, shape=q.shape, dtype="float", device="cpu")
+
+
+def _step_mistakes(q: Tensor, cache: _ReferenceCache, k_new: Tensor, v_new: Tensor) -> list[Candidate]:
+    k_all, v_all = cache.held()
+    first_only = torch.zeros(1, k_all.shape[2], dtype=torch.bool)
+    first_only[0, 0] = True
+    return [
+        ("you attended BEFORE adding the new key and value to the cache, so the new token cannot see itself: "
+         "call cache.update(k_new, v_new) first and attend over what it returns.",
+         lambda: attention(q, k_all[:, :, :-1], v_all[:, :, :-1])),
+        ("your mask lets the new token see only the first cached key. A single new query is the LAST position: "
+         "it may attend to every key, so it needs no mask at all (the last row of a causal mask is all True).",
+         lambda: attention(q, k_all, v_all, first_only)),
+        ("you attended only to the new token's own key and value: attend over everything the cache returns.",
+         lambda: attention(q, k_new, v_new)),
+        ("you forgot to divide the scores by sqrt(d).", lambda: attention(q * q.shape[-1] ** 0.5, k_all, v_all)),
+        ("you took the softmax over the query axis, which has length 1 here: take it over the keys (dim=-1).",
+         lambda: v_all.sum(dim=2, keepdim=True)),
+    ]
+
+
+CACHED_ATTENTION_STEP = Task(
+    "cached_attention_step", lambda q, cache, k_new, v_new: attention(q, *cache.held()),
+    _CACHES[1:], _step_cases, 1e-5, 1e-4, _step_mistakes, _expect_step)
+
+
 def check_cached_attention_step(fn: Callable, seed: int = 0) -> None:
     """Check ``cached_attention_step(q, cache, k_new, v_new) -> (B, H, 1, d)``.
 
-    The cache (the assignment's interface, ``update(k, v) -> (k_all, v_all)``) already holds 5
-    tokens; q, k_new, v_new (B, H, 1, d) belong to the newest token. It must call
+    The cache (the assignment's interface, ``update(k, v) -> (k_all, v_all)``) already holds 5, 6
+    or 7 tokens; q, k_new, v_new (B, H, 1, d) belong to the newest token. It must call
     ``cache.update(k_new, v_new)`` once, then attend q over every key, its own included, with no
     mask (the newest token may see all earlier ones). Compared with
     ``gptlab.attention.attention(q, k_all, v_all)``: atol 1e-5, rtol 1e-4.
     """
-    require_function(fn, "cached_attention_step")
-    g = torch.Generator().manual_seed(seed)
-    B, H, d = 2, 3, 8
-    cache = _ReferenceCache()
-    cache.update(torch.randn(B, H, 5, d, generator=g), torch.randn(B, H, 5, d, generator=g))
-    for step in range(3):
-        q, k_new, v_new = (torch.randn(B, H, 1, d, generator=g) for _ in range(3))
-        k_old, v_old = cache._inner.k[0], cache._inner.v[0]
-        calls = cache.calls
-        got = call(fn, "cached_attention_step", q, cache, k_new, v_new, forbidden=_CACHES[1:])
-        what = f"cached_attention_step (step {step + 1}, {k_old.shape[2]} tokens cached before it)"
-        if cache.calls == calls:
-            raise ExerciseError(f"{what}: you never called cache.update(k_new, v_new): the new token's key and value "
-                                "must be stored, and the query attends over them too.")
-        if cache.calls > calls + 1:
-            raise ExerciseError(f"{what}: you called cache.update {cache.calls - calls} times: store the new key and value "
-                                "exactly once per step.")
-        got = expect_tensor(got, what, shape=(B, H, 1, d), dtype="float", device="cpu")
-        k_all, v_all = cache._inner.k[0], cache._inner.v[0]
-        want = attention(q, k_all, v_all)
-        S = k_all.shape[2]
-        first_only = torch.zeros(1, S, dtype=torch.bool)
-        first_only[0, 0] = True
-        mistakes = [
-            ("you attended BEFORE adding the new key and value to the cache, so the new token cannot see itself: "
-             "call cache.update(k_new, v_new) first and attend over what it returns.", lambda: attention(q, k_old, v_old)),
-            ("your mask lets the new token see only the first cached key. A single new query is the LAST position: "
-             "it may attend to every key, so it needs no mask at all (the last row of a causal mask is all True).",
-             lambda: attention(q, k_all, v_all, first_only)),
-            ("you attended only to the new token's own key and value: attend over everything the cache returns.",
-             lambda: attention(q, k_new, v_new)),
-            ("you forgot to divide the scores by sqrt(d).", lambda: attention(q * d**0.5, k_all, v_all)),
-            ("you took the softmax over the query axis, which has length 1 here: take it over the keys (dim=-1).",
-             lambda: v_all.sum(dim=2, keepdim=True)),
-        ]
-        expect_close(got, want, what, f"q, k_new, v_new of shape {(B, H, 1, d)} (seeded)", 1e-5, 1e-4, mistakes)
+    CACHED_ATTENTION_STEP.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- cached generation
