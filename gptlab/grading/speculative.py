@@ -7,7 +7,7 @@ Tasks:
 * ``residual_distribution(p, q)``: ``max(0, p - q)`` normalised, compared with
   :func:`gptlab.generation.speculative.residual_distribution` (atol 1e-6, rtol 1e-5);
 * ``expected_tokens_per_pass(alpha, g)``: ``(1 - alpha^(g+1)) / (1 - alpha)``, ``g + 1`` at
-  ``alpha = 1``, compared with :func:`gptlab.generation.speculative.expected_tokens_per_pass` (rel 1e-9);
+  ``alpha = 1``, compared with :func:`gptlab.generation.speculative.expected_tokens_per_pass` (atol 1e-9, rtol 1e-9);
 * ``speculative_step(target_probs, draft_probs, draft_tokens, generator)``: one round. Its
   structure is checked exactly (the accepted guesses are a prefix of the draft, then exactly one
   token of the target's; ``n_accepted = g`` whenever the draft equals the target), and its
