@@ -44,7 +44,7 @@ def test_simulator_rejects_an_unknown_bug():
 
 
 def test_bytes_mistake_named_from_all_cases():
-    """With 2-byte elements "keys only" and "elements" give one number; the other cases decide."""
+    """With 2-byte elements "keys only" and "elements" give one number; the first case (4-byte) tells them apart."""
     def elements(n_layer, n_kv_head, head_dim, seq_len, batch, bytes_per_elem):
         return 2 * n_layer * n_kv_head * head_dim * seq_len * batch
 

@@ -567,3 +567,39 @@ def expect_distribution(
 def is_function(x: object) -> bool:
     """True for a plain Python function (what a notebook's ``def`` makes)."""
     return isinstance(x, FunctionType)
+
+
+# --------------------------------------------------------------------------- answers that are numbers
+
+
+def expect_number(got: Any, what: str, integer: bool = False) -> Tensor:
+    """The ``expect`` hook of a :class:`~gptlab.grading.task.Task` whose answer is one number: check
+    that ``got`` is a Python or NumPy number or a 1-element tensor (not a bool), a whole one when
+    ``integer`` (an int, or a float such as ``4.0``), and return it as a 0-d float64 tensor (exact
+    for integers below 2**53, so ``atol = rtol = 0`` compares them exactly)."""
+    from numbers import Real
+
+    if isinstance(got, Tensor) and got.numel() == 1:
+        got = got.item()
+    if isinstance(got, bool) or not isinstance(got, Real) or (integer and not float(got).is_integer()):
+        raise ExerciseError(f"{what} should return {'an int' if integer else 'a number'}, got {type(got).__name__}.")
+    return as_number(float(got))
+
+
+def as_number(x: float) -> Tensor:
+    """``x`` as a 0-d float64 tensor: what the reference and the mistakes' thunks of a task whose
+    answer is a number return (:func:`close` reads a bare Python float as float32, too coarse)."""
+    return torch.tensor(x, dtype=torch.float64)
+
+
+def show_number(t: Tensor) -> str:
+    """A 0-d tensor as a message shows a number: a whole one with thousands separators
+    (``10,788,929``), any other to 6 significant digits (``5.45455e-05``)."""
+    v = t.item()
+    return f"{v:,.0f}" if float(v).is_integer() else f"{v:.6g}"
+
+
+def call_by_keyword(fn: Callable, name: str, kwargs: dict, forbidden: Sequence[Forbidden] = ()) -> Any:
+    """:func:`call` with the arguments of ``kwargs`` passed by keyword: the ``caller`` of a
+    :class:`~gptlab.grading.task.Task` whose cases hold one dict of arguments (``Case((kwargs,), ...)``)."""
+    return call(fn, name, forbidden=forbidden, **kwargs)

@@ -43,8 +43,10 @@ from torch import Tensor
 
 from .. import model as _model
 from .. import train as _train
-from .core import ExerciseError, Forbidden, call, describe, expect_close, expect_tensor, require_function
+from .core import (Candidate, ExerciseError, Forbidden, as_number, call, call_by_keyword, describe, expect_close,
+                   expect_number, expect_tensor, require_function, show_number)
 from .remote import Remote, is_module, isinstance_of, load_params, make, same_object
+from .task import Case, Task
 
 __all__ = [
     "check_GPT",
@@ -282,64 +284,58 @@ def reference_count(vocab_size: int, block_size: int, n_layer: int, n_embd: int)
     return m.num_params()
 
 
-def _count_mistakes(V: int, T: int, L: int, C: int) -> list[tuple[str, int]]:
-    want = reference_count(V, T, L, C)
+def _count_cases(seed: int | None) -> list[Case]:
+    """The GPT-2 sizes and a tiny model, and with ``seed`` three sizes drawn from it (the autograder's
+    hidden cases). GPT-2 Mini comes first: every listed mistake gives it a different count."""
+    cases = list(_COUNT_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        cases += [(f"a model of the autograder's ({i + 1})", dict(vocab_size=r.randint(10, 60000), block_size=r.randint(
+            8, 4096), n_layer=r.randint(1, 30), n_embd=r.choice([48, 96, 200, 320, 512, 1000]))) for i in range(3)]
+    return [Case((sizes,), label, f"count_params({', '.join(f'{k}={v}' for k, v in sizes.items())})")
+            for label, sizes in cases]
+
+
+def _count_mistakes(sizes: dict) -> list[Candidate]:
+    V, T, L, C = sizes["vocab_size"], sizes["block_size"], sizes["n_layer"], sizes["n_embd"]
+    want = reference_count(**sizes)
     biases = L * (3 * C + C + 4 * C + C)
     norms = (2 * L + 1) * 2 * C
     return [
-        ("you counted the output head as well: it is tied to wte (the same matrix), so count it once.", want + V * C),
-        ("you forgot the biases of the four linear layers in each block (3C + C + 4C + C per block).", want - biases),
-        ("you forgot the layer norms: 2 per block and ln_f, each a gain and a bias of C numbers.", want - norms),
-        ("you forgot the norms' biases (a LayerNorm has a gain AND a bias).", want - norms // 2),
+        ("you counted the output head as well: it is tied to wte (the same matrix), so count it once.",
+         lambda: want + V * C),
+        ("you forgot the biases of the four linear layers in each block (3C + C + 4C + C per block).",
+         lambda: want - biases),
+        ("you forgot the layer norms: 2 per block and ln_f, each a gain and a bias of C numbers.", lambda: want - norms),
+        ("you forgot the norms' biases (a LayerNorm has a gain AND a bias).", lambda: want - norms // 2),
         ("you forgot the final layer norm ln_f, after the last block (a gain and a bias of C numbers: 2C); count "
-         "2 layer norms per block AND ln_f.", want - 2 * C),
-        ("you forgot the biases and the layer norms.", want - biases - norms),
-        ("you forgot the position embedding wpe (block_size x n_embd).", want - T * C),
+         "2 layer norms per block AND ln_f.", lambda: want - 2 * C),
+        ("you forgot the biases and the layer norms.", lambda: want - biases - norms),
+        ("you forgot the position embedding wpe (block_size x n_embd).", lambda: want - T * C),
         ("you forgot the token embedding wte (vocab_size x n_embd): tying means it is counted once, not never.",
-         want - V * C),
-        ("you counted the MLP as C x C: it widens to 4C (c_fc C x 4C, c_proj 4C x C).", want - L * (6 * C * C + 6 * C)),
+         lambda: want - V * C),
+        ("you counted the MLP as C x C: it widens to 4C (c_fc C x 4C, c_proj 4C x C).",
+         lambda: want - L * (6 * C * C + 6 * C)),
     ]
+
+
+COUNT_PARAMS = Task(
+    "count_params", lambda sizes: as_number(reference_count(**sizes)),
+    (Forbidden(_model.GPT, "gptlab's GPT (building a model to count it)"),
+     Forbidden(_model.GPT.num_params, "gptlab's GPT.num_params"),
+     Forbidden(nn.Module.parameters, "a model's .parameters() (counting an instantiated model)")),
+    _count_cases, mistakes=_count_mistakes, expect=lambda got, case: expect_number(got, case.what, integer=True),
+    diagnose=lambda got, want, case: "none of the usual ones: V*C + T*C + n_layer*(12*C*C + 13*C) + 2*C; check each "
+                                     "layer's weights and biases.",
+    caller=call_by_keyword, show=show_number)
 
 
 def check_count_params(fn: Callable[..., int], seed: int | None = None) -> None:
     """Check ``count_params(vocab_size, block_size, n_layer, n_embd) -> int`` exactly against
     :func:`reference_count` for GPT-2 Mini, GPT-2 small/medium/large/XL and a tiny model (called by
     keyword), and with ``seed`` three sizes drawn from it (the autograder's hidden cases). The
-    mistake is named from all the cases together."""
-    require_function(fn, "count_params")
-    forbidden = (Forbidden(_model.GPT, "gptlab's GPT (building a model to count it)"),
-                 Forbidden(_model.GPT.num_params, "gptlab's GPT.num_params"),
-                 Forbidden(nn.Module.parameters, "a model's .parameters() (counting an instantiated model)"))
-    results = []
-    cases = list(_COUNT_CASES)
-    if seed is not None:
-        r = random.Random(seed)
-        cases += [(f"a model of the autograder's ({i + 1})", dict(vocab_size=r.randint(10, 60000), block_size=r.randint(
-            8, 4096), n_layer=r.randint(1, 30), n_embd=r.choice([48, 96, 200, 320, 512, 1000]))) for i in range(3)]
-    for label, case in cases:
-        got = call(fn, "count_params", forbidden=forbidden, **case)
-        args = ", ".join(f"{k}={v}" for k, v in case.items())
-        if isinstance(got, Tensor) and got.numel() == 1:
-            got = got.item()
-        if isinstance(got, float) and got.is_integer():
-            got = int(got)
-        if isinstance(got, bool) or not isinstance(got, int | np.integer):
-            raise ExerciseError(f"count_params({args}) should return an int, got {type(got).__name__}.")
-        results.append((label, case, args, int(got), reference_count(**case)))
-    wrong = [r for r in results if r[3] != r[4]]
-    if not wrong:
-        return
-    reason = None
-    for i, (text, _) in enumerate(_count_mistakes(*_COUNT_CASES[0][1].values())):
-        if all(got == _count_mistakes(*case.values())[i][1] for _, case, _, got, _ in results):
-            reason = text
-            break
-    label, case, args, got, want = wrong[0]
-    raise ExerciseError(
-        f"count_params({args}) ({label}) is wrong: expected {want:,}, got {got:,} (off by {got - want:+,}).\n"
-        "  Most likely mistake: " + (reason or "none of the usual ones: V*C + T*C + n_layer*(12*C*C + 13*C) + 2*C; "
-                                     "check each layer's weights and biases.")
-    )
+    mistake is named on the first size that differs (GPT-2 Mini tells every listed one apart)."""
+    COUNT_PARAMS.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- lr_at
@@ -349,6 +345,19 @@ _LR_CASES = [
     dict(max_lr=1e-2, min_lr=1e-3, warmup=0, total=50),
     dict(max_lr=3e-3, min_lr=0.0, warmup=5, total=20),
 ]
+
+
+def _lr_cases(seed: int | None) -> list[Case]:
+    """Every step from 0 to total + 5 of each schedule, and with ``seed`` of one more drawn from it."""
+    schedules = list(_LR_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        total = r.randint(20, 90)
+        schedules.append(dict(max_lr=r.choice([1e-3, 2e-3, 5e-4]) * r.randint(1, 9),
+                              min_lr=r.choice([0.0, 1e-5, 3e-5]), warmup=r.randint(1, total // 3), total=total))
+    return [Case((s, *c.values()), f"step {s} of the schedule {', '.join(f'{k}={v}' for k, v in c.items())}",
+                 f"lr_at({s}, {', '.join(str(v) for v in c.values())})")
+            for c in schedules for s in range(c["total"] + 6)]
 
 
 def _lr_variant(step: int, max_lr: float, min_lr: float, warmup: int, total: int, bug: str) -> float:
@@ -386,50 +395,22 @@ _LR_BUGS = {
               "(max_lr - min_lr).",
 }
 
+LR_AT = Task(
+    "lr_at", lambda *schedule: as_number(_train.lr_at(*schedule)),
+    (Forbidden(_train.lr_at, "gptlab's lr_at"),
+     Forbidden(torch.optim.lr_scheduler.CosineAnnealingLR, "torch's CosineAnnealingLR")),
+    _lr_cases, 1e-12, 1e-9,
+    mistakes=lambda *schedule: [(text, lambda bug=bug: as_number(_lr_variant(*schedule, bug=bug)))
+                                for bug, text in _LR_BUGS.items()],
+    expect=lambda got, case: expect_number(got, case.what), show=show_number)
+
 
 def check_lr_at(fn: Callable[..., float], seed: int | None = None) -> None:
     """Check ``lr_at(step, max_lr, min_lr, warmup, total) -> float`` against
     :func:`gptlab.train.lr_at` at every step from 0 to total + 5 of three schedules (with and
-    without warmup, min_lr 0), within 1e-12 + 1e-9 x |expected|."""
-    require_function(fn, "lr_at")
-    forbidden = (Forbidden(_train.lr_at, "gptlab's lr_at"),
-                 Forbidden(torch.optim.lr_scheduler.CosineAnnealingLR, "torch's CosineAnnealingLR"))
-    cases = list(_LR_CASES)
-    if seed is not None:
-        r = random.Random(seed)
-        total = r.randint(20, 90)
-        cases.append(dict(max_lr=r.choice([1e-3, 2e-3, 5e-4]) * r.randint(1, 9), min_lr=r.choice([0.0, 1e-5, 3e-5]),
-                          warmup=r.randint(1, total // 3), total=total))
-    for case in cases:
-        steps = range(case["total"] + 6)
-        got = []
-        for s in steps:
-            v = call(fn, "lr_at", s, case["max_lr"], case["min_lr"], case["warmup"], case["total"], forbidden=forbidden)
-            if isinstance(v, Tensor) and v.numel() == 1:
-                v = v.item()
-            if isinstance(v, bool) or not isinstance(v, int | float):
-                raise ExerciseError(f"lr_at({s}, ...) should return a float, got {type(v).__name__}.")
-            got.append(float(v))
-        want = [_train.lr_at(s, case["max_lr"], case["min_lr"], case["warmup"], case["total"]) for s in steps]
-        bad = [s for s in steps if not math.isclose(got[s], want[s], rel_tol=1e-9, abs_tol=1e-12)]
-        if not bad:
-            continue
-        reason = None
-        for bug, text in _LR_BUGS.items():
-            alt = [_lr_variant(s, **case, bug=bug) for s in steps]
-            if all(math.isclose(g, a, rel_tol=1e-9, abs_tol=1e-12) for g, a in zip(got, alt)):
-                reason = text
-                break
-        args = ", ".join(f"{k}={v}" for k, v in case.items())
-        s = bad[0]
-        shown = [s0 for s0 in sorted({0, 1, max(case["warmup"] - 1, 0), case["warmup"], case["total"] - 1, case["total"],
-                                      case["total"] + 3, s}) if s0 in steps]
-        table = "\n".join(f"      step {s0:3d}: expected {want[s0]:.6g}, got {got[s0]:.6g}" for s0 in shown)
-        raise ExerciseError(
-            f"lr_at is wrong for the schedule {args}: first at step {s}.\n"
-            f"  Most likely mistake: {reason or 'none of the usual ones; compare each phase with the formulas above.'}\n"
-            + table
-        )
+    without warmup, min_lr 0), within 1e-12 + 1e-9 x |expected|; the mistake is named at the
+    first step that differs."""
+    LR_AT.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- train

@@ -32,7 +32,9 @@ from .. import kvcache as _kvcache
 from ..attention import CausalSelfAttention, attention, merge_heads, split_heads
 from ..masks import causal_mask
 from ..model import GPT, Block, GPTConfig
-from .core import ExerciseError, Forbidden, call, entries_of, expect_close, expect_tensor, require_function, same, show_tensor
+from .core import (Candidate, ExerciseError, Forbidden, as_number, call, call_by_keyword, entries_of, expect_close,
+                   expect_number, expect_tensor, require_function, same, show_number, show_tensor)
+from .task import Case, Task
 
 __all__ = [
     "check_kv_cache",
@@ -156,6 +158,10 @@ class _ReferenceCache:
         k_all, v_all, _ = self._inner.update(0, k, v)
         return k_all, v_all
 
+    def held(self) -> tuple[Tensor, Tensor]:
+        """Every key and value cached so far, (B, H, S, d) each."""
+        return self._inner.k[0], self._inner.v[0]
+
     # the autograder sends this cache to the learner's process as a recipe, and reads it back
     def __gptlab_portable__(self):
         return "gptlab.grading.kv_cache:_ReferenceCache.rebuilt", [self._inner.k[0], self._inner.v[0], self.calls]
@@ -179,51 +185,69 @@ class _ReferenceCache:
         return cache
 
 
+def _step_cases(seed: int) -> list[Case]:
+    """Three steps of one token: caches that hold 5, 6 and 7 seeded tokens (each holds the previous
+    step's tokens and its new one), and q, k_new, v_new (2, 3, 1, 8)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 3, 5, 8, generator=g)
+    cases = []
+    for step in range(3):
+        q, k_new, v_new = (torch.randn(2, 3, 1, 8, generator=g) for _ in range(3))
+        cache = _ReferenceCache()
+        cache.update(k, v)
+        cases.append(Case((q, cache, k_new, v_new), f"q, k_new, v_new of shape {tuple(q.shape)} (seeded)",
+                          f"cached_attention_step (step {step + 1}, {k.shape[2]} tokens cached before it)"))
+        k, v = torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2)
+    return cases
+
+
+def _expect_step(got, case: Case) -> Tensor:
+    """The cache was updated exactly once (its prefill was its first call), so that the reference and
+    the mistakes can read it as the learner's step left it; then the output is (B, H, 1, d)."""
+    q, cache = case.args[:2]
+    if cache.calls == 1:
+        raise ExerciseError(f"{case.what}: you never called cache.update(k_new, v_new): the new token's key and value "
+                            "must be stored, and the query attends over them too.")
+    if cache.calls > 2:
+        raise ExerciseError(f"{case.what}: you called cache.update {cache.calls - 1} times: store the new key and "
+                            "value exactly once per step.")
+    return expect_tensor(got, case.what, shape=q.shape, dtype="float", device="cpu")
+
+
+def _step_mistakes(q: Tensor, cache: _ReferenceCache, k_new: Tensor, v_new: Tensor) -> list[Candidate]:
+    k_all, v_all = cache.held()
+    first_only = torch.zeros(1, k_all.shape[2], dtype=torch.bool)
+    first_only[0, 0] = True
+    return [
+        ("you attended BEFORE adding the new key and value to the cache, so the new token cannot see itself: "
+         "call cache.update(k_new, v_new) first and attend over what it returns.",
+         lambda: attention(q, k_all[:, :, :-1], v_all[:, :, :-1])),
+        ("your mask lets the new token see only the first cached key. A single new query is the LAST position: "
+         "it may attend to every key, so it needs no mask at all (the last row of a causal mask is all True).",
+         lambda: attention(q, k_all, v_all, first_only)),
+        ("you attended only to the new token's own key and value: attend over everything the cache returns.",
+         lambda: attention(q, k_new, v_new)),
+        ("you forgot to divide the scores by sqrt(d).", lambda: attention(q * q.shape[-1] ** 0.5, k_all, v_all)),
+        ("you took the softmax over the query axis, which has length 1 here: take it over the keys (dim=-1).",
+         lambda: v_all.sum(dim=2, keepdim=True)),
+    ]
+
+
+CACHED_ATTENTION_STEP = Task(
+    "cached_attention_step", lambda q, cache, k_new, v_new: attention(q, *cache.held()),
+    _CACHES[1:], _step_cases, 1e-5, 1e-4, _step_mistakes, _expect_step)
+
+
 def check_cached_attention_step(fn: Callable, seed: int = 0) -> None:
     """Check ``cached_attention_step(q, cache, k_new, v_new) -> (B, H, 1, d)``.
 
-    The cache (the assignment's interface, ``update(k, v) -> (k_all, v_all)``) already holds 5
-    tokens; q, k_new, v_new (B, H, 1, d) belong to the newest token. It must call
+    The cache (the assignment's interface, ``update(k, v) -> (k_all, v_all)``) already holds 5, 6
+    or 7 tokens; q, k_new, v_new (B, H, 1, d) belong to the newest token. It must call
     ``cache.update(k_new, v_new)`` once, then attend q over every key, its own included, with no
     mask (the newest token may see all earlier ones). Compared with
     ``gptlab.attention.attention(q, k_all, v_all)``: atol 1e-5, rtol 1e-4.
     """
-    require_function(fn, "cached_attention_step")
-    g = torch.Generator().manual_seed(seed)
-    B, H, d = 2, 3, 8
-    cache = _ReferenceCache()
-    cache.update(torch.randn(B, H, 5, d, generator=g), torch.randn(B, H, 5, d, generator=g))
-    for step in range(3):
-        q, k_new, v_new = (torch.randn(B, H, 1, d, generator=g) for _ in range(3))
-        k_old, v_old = cache._inner.k[0], cache._inner.v[0]
-        calls = cache.calls
-        got = call(fn, "cached_attention_step", q, cache, k_new, v_new, forbidden=_CACHES[1:])
-        what = f"cached_attention_step (step {step + 1}, {k_old.shape[2]} tokens cached before it)"
-        if cache.calls == calls:
-            raise ExerciseError(f"{what}: you never called cache.update(k_new, v_new): the new token's key and value "
-                                "must be stored, and the query attends over them too.")
-        if cache.calls > calls + 1:
-            raise ExerciseError(f"{what}: you called cache.update {cache.calls - calls} times: store the new key and value "
-                                "exactly once per step.")
-        got = expect_tensor(got, what, shape=(B, H, 1, d), dtype="float", device="cpu")
-        k_all, v_all = cache._inner.k[0], cache._inner.v[0]
-        want = attention(q, k_all, v_all)
-        S = k_all.shape[2]
-        first_only = torch.zeros(1, S, dtype=torch.bool)
-        first_only[0, 0] = True
-        mistakes = [
-            ("you attended BEFORE adding the new key and value to the cache, so the new token cannot see itself: "
-             "call cache.update(k_new, v_new) first and attend over what it returns.", lambda: attention(q, k_old, v_old)),
-            ("your mask lets the new token see only the first cached key. A single new query is the LAST position: "
-             "it may attend to every key, so it needs no mask at all (the last row of a causal mask is all True).",
-             lambda: attention(q, k_all, v_all, first_only)),
-            ("you attended only to the new token's own key and value: attend over everything the cache returns.",
-             lambda: attention(q, k_new, v_new)),
-            ("you forgot to divide the scores by sqrt(d).", lambda: attention(q * d**0.5, k_all, v_all)),
-            ("you took the softmax over the query axis, which has length 1 here: take it over the keys (dim=-1).",
-             lambda: v_all.sum(dim=2, keepdim=True)),
-        ]
-        expect_close(got, want, what, f"q, k_new, v_new of shape {(B, H, 1, d)} (seeded)", 1e-5, 1e-4, mistakes)
+    CACHED_ATTENTION_STEP.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- cached generation
@@ -367,67 +391,59 @@ def check_generate_cached(fn: Callable, seed: int = 0, n: int = 10) -> None:
 
 # --------------------------------------------------------------------------- memory
 
-_BYTES_CASES = [
+_BYTES_CASES = [  # the first tells every listed mistake apart (with 2-byte elements "keys only" and "elements" agree)
+    dict(n_layer=6, n_kv_head=6, head_dim=64, seq_len=256, batch=3, bytes_per_elem=4),
     dict(n_layer=36, n_kv_head=20, head_dim=64, seq_len=1024, batch=1, bytes_per_elem=2),  # GPT-2 Large, fp16
     dict(n_layer=32, n_kv_head=8, head_dim=128, seq_len=4096, batch=4, bytes_per_elem=2),  # a GQA model
-    dict(n_layer=6, n_kv_head=6, head_dim=64, seq_len=256, batch=3, bytes_per_elem=4),
     dict(n_layer=1, n_kv_head=1, head_dim=1, seq_len=1, batch=1, bytes_per_elem=4),
 ]
 
 
-def _bytes_mistakes(c: dict) -> list[tuple[str, int]]:
+def _bytes_cases(seed: int | None) -> list[Case]:
+    """:data:`_BYTES_CASES`, and with ``seed`` three more drawn from it (the autograder's hidden ones,
+    unknown in advance)."""
+    cases = list(_BYTES_CASES)
+    if seed is not None:
+        r = random.Random(seed)
+        cases += [dict(n_layer=r.randint(2, 48), n_kv_head=r.randint(1, 32), head_dim=r.choice([16, 32, 64, 80, 96, 128]),
+                       seq_len=r.randint(3, 8192), batch=r.randint(2, 9), bytes_per_elem=r.choice([2, 4, 8]))
+                  for _ in range(3)]
+    texts = [", ".join(f"{k}={v}" for k, v in c.items()) for c in cases]
+    return [Case((c,), text, f"kv_cache_bytes({text})") for c, text in zip(cases, texts)]
+
+
+def _bytes_mistakes(c: dict) -> list[Candidate]:
     want = _kvcache.kv_cache_bytes(**c)
     return [
-        ("you counted the keys only: the cache holds keys AND values (a factor 2).", want // 2),
+        ("you counted the keys only: the cache holds keys AND values (a factor 2).", lambda: want // 2),
         ("you counted elements, not bytes: multiply by bytes_per_elem (2 for float16, 4 for float32).",
-         want // c["bytes_per_elem"]),
-        ("you counted bits: bytes_per_elem is already in bytes.", want * 8),
-        ("you left out the batch: every sequence of the batch has its own cache.", want // c["batch"]),
-        ("you left out the layers: every layer caches its own keys and values.", want // c["n_layer"]),
-        ("you left out head_dim: each cached key and value is a vector of head_dim numbers.", want // c["head_dim"]),
+         lambda: want // c["bytes_per_elem"]),
+        ("you counted bits: bytes_per_elem is already in bytes.", lambda: want * 8),
+        ("you left out the batch: every sequence of the batch has its own cache.", lambda: want // c["batch"]),
+        ("you left out the layers: every layer caches its own keys and values.", lambda: want // c["n_layer"]),
+        ("you left out head_dim: each cached key and value is a vector of head_dim numbers.",
+         lambda: want // c["head_dim"]),
     ]
 
 
-def _random_bytes_cases(seed: int) -> list[dict]:
-    """Cases drawn from ``seed`` (the autograder's hidden ones, unknown in advance)."""
-    r = random.Random(seed)
-    return [dict(n_layer=r.randint(2, 48), n_kv_head=r.randint(1, 32), head_dim=r.choice([16, 32, 64, 80, 96, 128]),
-                 seq_len=r.randint(3, 8192), batch=r.randint(2, 9), bytes_per_elem=r.choice([2, 4, 8]))
-            for _ in range(3)]
+def _expect_bytes(got, case: Case) -> Tensor:
+    got = got.item() if isinstance(got, Tensor) and got.numel() == 1 else got
+    if isinstance(got, float) and got.is_integer():
+        raise ExerciseError(f"{case.what} returned the float {got}: return an int (a number of bytes).")
+    return expect_number(got, case.what, integer=True)
+
+
+KV_CACHE_BYTES = Task(
+    "kv_cache_bytes", lambda c: as_number(_kvcache.kv_cache_bytes(**c)),
+    entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for"), _bytes_cases, mistakes=_bytes_mistakes,
+    expect=_expect_bytes, caller=call_by_keyword, show=show_number,
+    diagnose=lambda got, want, case: "none of the usual ones: 2 (k and v) x n_layer x batch x n_kv_head x seq_len x "
+                                     "head_dim x bytes_per_elem.")
 
 
 def check_kv_cache_bytes(fn: Callable[..., int], seed: int | None = None) -> None:
     """Check ``kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch, bytes_per_elem) -> int``
     against :func:`gptlab.kvcache.kv_cache_bytes` (keys AND values), exactly, called by keyword.
-    With ``seed``, three more cases drawn from it (the autograder's hidden cases).
-
-    The mistake is named from all the cases together (a formula that fits every one of them), since
-    a single case can fit two mistakes (with 2-byte elements, "keys only" and "elements" agree).
-    """
-    require_function(fn, "kv_cache_bytes")
-    forbidden = entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for")
-    results = []
-    cases = _BYTES_CASES + (_random_bytes_cases(seed) if seed is not None else [])
-    for case in cases:
-        got = call(fn, "kv_cache_bytes", forbidden=forbidden, **case)
-        args = ", ".join(f"{k}={v}" for k, v in case.items())
-        if isinstance(got, Tensor) and got.numel() == 1:
-            got = got.item()
-        if isinstance(got, float) and got.is_integer():
-            raise ExerciseError(f"kv_cache_bytes({args}) returned the float {got}: return an int (a number of bytes).")
-        if isinstance(got, bool) or not isinstance(got, int):
-            raise ExerciseError(f"kv_cache_bytes({args}) should return an int, got {type(got).__name__}.")
-        results.append((case, args, got, _kvcache.kv_cache_bytes(**case)))
-    wrong = [r for r in results if r[2] != r[3]]
-    if not wrong:
-        return
-    reason = None
-    for i, (text, _) in enumerate(_bytes_mistakes(_BYTES_CASES[0])):
-        if all(got == _bytes_mistakes(case)[i][1] for case, _, got, _ in results):
-            reason = text
-            break
-    case, args, got, want = wrong[0]
-    raise ExerciseError(
-        f"kv_cache_bytes({args}) is wrong: expected {want:,}, got {got:,}.\n  Most likely mistake: "
-        + (reason or "none of the usual ones: 2 (k and v) x n_layer x batch x n_kv_head x seq_len x head_dim x bytes_per_elem.")
-    )
+    With ``seed``, three more cases drawn from it (the autograder's hidden cases). The mistake is
+    named on the first case that differs."""
+    KV_CACHE_BYTES.check(fn, seed)

@@ -7,7 +7,7 @@ Tasks:
 * ``residual_distribution(p, q)``: ``max(0, p - q)`` normalised, compared with
   :func:`gptlab.generation.speculative.residual_distribution` (atol 1e-6, rtol 1e-5);
 * ``expected_tokens_per_pass(alpha, g)``: ``(1 - alpha^(g+1)) / (1 - alpha)``, ``g + 1`` at
-  ``alpha = 1``, compared with :func:`gptlab.generation.speculative.expected_tokens_per_pass` (rel 1e-9);
+  ``alpha = 1``, compared with :func:`gptlab.generation.speculative.expected_tokens_per_pass` (atol 1e-9, rtol 1e-9);
 * ``speculative_step(target_probs, draft_probs, draft_tokens, generator)``: one round. Its
   structure is checked exactly (the accepted guesses are a prefix of the draft, then exactly one
   token of the target's; ``n_accepted = g`` whenever the draft equals the target), and its
@@ -27,13 +27,17 @@ from torch import Tensor
 
 from ..generation import speculative as _spec
 from .core import (
+    Candidate,
     ExerciseError,
     Forbidden,
+    as_number,
     call,
     entries_of,
     expect_distribution,
+    expect_number,
     expect_tensor,
     require_function,
+    show_number,
 )
 from .task import Case, Task
 
@@ -149,37 +153,39 @@ def check_residual_distribution(fn: Callable, seed: int = 0) -> None:
 # --------------------------------------------------------------------------- expected tokens per pass
 
 
-def check_expected_tokens_per_pass(fn: Callable, seed: int | None = None) -> None:
-    """Check ``expected_tokens_per_pass(alpha, g) -> float``: the expected number of tokens one
-    target pass produces with ``g`` guesses each accepted with probability ``alpha``, the bonus or
-    correction token included: ``(1 - alpha^(g+1)) / (1 - alpha)``; ``g + 1`` when ``alpha == 1``."""
-    require_function(fn, "expected_tokens_per_pass")
+def _tokens_cases(seed: int | None) -> list[Case]:
+    """Fixed (alpha, g), alpha = 0 and 1 and g = 0 among them, and with ``seed`` three drawn from it
+    (the autograder's hidden cases)."""
     cases = [(0.8, 4), (0.5, 1), (0.0, 3), (0.9, 8), (1.0, 5), (0.3, 0)]
     if seed is not None:
         r = random.Random(seed)
         cases += [(round(r.uniform(0.05, 0.97), 4), r.randint(1, 12)) for _ in range(3)]
-    for alpha, g in cases:
-        got = call(fn, "expected_tokens_per_pass", alpha, g, forbidden=_GPTLAB)
-        if isinstance(got, Tensor) and got.numel() == 1:
-            got = got.item()
-        if isinstance(got, bool) or not isinstance(got, float | int):
-            raise ExerciseError(f"expected_tokens_per_pass({alpha}, {g}) should return a number, got {type(got).__name__}.")
-        want = _spec.expected_tokens_per_pass(alpha, g)
-        if abs(got - want) <= 1e-9 * max(1.0, abs(want)):
-            continue
-        a = alpha
-        reasons = {
-            "you counted the accepted guesses only: a pass also yields one token of the target's (the correction or "
-            "the bonus), so the expectation is (1 - a^(g+1)) / (1 - a), one more.": (a - a ** (g + 1)) / (1 - a) if a < 1 else g,
-            "the exponent is off by one: with g guesses there are g + 1 possible outcomes, so it is a^(g+1).":
-                (1 - a**g) / (1 - a) if a < 1 else g,
-            "you used the infinite sum 1 / (1 - a): there are only g guesses.": 1 / (1 - a) if a < 1 else float("inf"),
-        }
-        reason = next((text for text, value in reasons.items() if abs(got - value) <= 1e-9 * max(1.0, abs(value))), None)
-        raise ExerciseError(
-            f"expected_tokens_per_pass({alpha}, {g}) is wrong: expected {want:.6g}, got {got:.6g}.\n  Most likely mistake: "
-            + (reason or "none of the usual ones: the geometric sum 1 + a + ... + a^g.")
-        )
+    return [Case((a, g), f"alpha={a}, g={g}", f"expected_tokens_per_pass({a}, {g})") for a, g in cases]
+
+
+def _tokens_mistakes(a: float, g: int) -> list[Candidate]:
+    return [
+        ("you counted the accepted guesses only: a pass also yields one token of the target's (the correction or "
+         "the bonus), so the expectation is (1 - a^(g+1)) / (1 - a), one more.",
+         lambda: as_number((a - a ** (g + 1)) / (1 - a) if a < 1 else g)),
+        ("the exponent is off by one: with g guesses there are g + 1 possible outcomes, so it is a^(g+1).",
+         lambda: as_number((1 - a**g) / (1 - a) if a < 1 else g)),
+        ("you used the infinite sum 1 / (1 - a): there are only g guesses.",
+         lambda: as_number(1 / (1 - a) if a < 1 else float("inf"))),
+    ]
+
+
+EXPECTED_TOKENS = Task(
+    "expected_tokens_per_pass", lambda a, g: as_number(_spec.expected_tokens_per_pass(a, g)), _GPTLAB, _tokens_cases,
+    1e-9, 1e-9, _tokens_mistakes, lambda got, case: expect_number(got, case.what),
+    lambda got, want, case: "none of the usual ones: the geometric sum 1 + a + ... + a^g.", show=show_number)
+
+
+def check_expected_tokens_per_pass(fn: Callable, seed: int | None = None) -> None:
+    """Check ``expected_tokens_per_pass(alpha, g) -> float``: the expected number of tokens one
+    target pass produces with ``g`` guesses each accepted with probability ``alpha``, the bonus or
+    correction token included: ``(1 - alpha^(g+1)) / (1 - alpha)``; ``g + 1`` when ``alpha == 1``."""
+    EXPECTED_TOKENS.check(fn, seed)
 
 
 # --------------------------------------------------------------------------- speculative_step
