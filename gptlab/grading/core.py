@@ -29,6 +29,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from numbers import Real
 from types import CodeType, FunctionType, MethodDescriptorType, MethodType
 from typing import Any
 
@@ -434,7 +435,9 @@ def close(a: Tensor, b: Any, atol: float, rtol: float) -> bool:
     and values within ``atol + rtol * |b|`` (NaN equal to NaN; booleans exactly), compared in
     float64 on the CPU with PyTorch's own C function (a notebook that replaces ``torch.allclose``
     changes nothing)."""
-    if not isinstance(b, Tensor):
+    if isinstance(b, (int, float)) and not isinstance(b, bool):
+        b = torch.tensor(b, dtype=torch.float64)  # as_tensor would round a Python float to float32
+    elif not isinstance(b, Tensor):
         try:
             b = torch.as_tensor(b)
         except Exception:
@@ -490,8 +493,9 @@ def expect_close(
         g, w = got.double().cpu(), want.double().cpu()
         diff = (g - w).abs().masked_fill(g == w, 0.0).nan_to_num(nan=math.inf, posinf=math.inf)  # -inf == -inf: 0
         idx = _unravel(int(diff.argmax()), tuple(diff.shape))
+        at = f" at index {idx}" if idx else ""  # a single number has no index
         lines.append(
-            f"  largest difference: {diff.max().item():.3g} at index {idx} "
+            f"  largest difference: {diff.max().item():.3g}{at} "
             f"(allowed: {atol:g} + {rtol:g} x |expected|)"
         )
     raise ExerciseError("\n".join(lines))
@@ -577,8 +581,6 @@ def expect_number(got: Any, what: str, integer: bool = False) -> Tensor:
     that ``got`` is a Python or NumPy number or a 1-element tensor (not a bool), a whole one when
     ``integer`` (an int, or a float such as ``4.0``), and return it as a 0-d float64 tensor (exact
     for integers below 2**53, so ``atol = rtol = 0`` compares them exactly)."""
-    from numbers import Real
-
     if isinstance(got, Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, Real) or (integer and not float(got).is_integer()):

@@ -30,11 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor
 
-from .core import (Candidate, DelegationError, ExerciseError, Forbidden, call, expect_close, expect_tensor,
-                   require_function, show_tensor)
+from .core import (Candidate, DelegationError, ExerciseError, Forbidden, as_number, call, expect_close,
+                   expect_tensor, require_function, show_tensor)
 
 __all__ = ["Case", "Task", "same_as_first", "call_with_hint"]
 
@@ -132,7 +131,7 @@ class Task:
         got = self.expect(got, case)
         want = self.reference(*case.args)
         if isinstance(want, (int, float)):
-            want = torch.tensor(want, dtype=torch.float64)
+            want = as_number(want)
         diagnose = None
         if self.diagnose is not None:
             diagnose = lambda g, w=want, c=case: self.diagnose(g, w, c)  # noqa: E731
