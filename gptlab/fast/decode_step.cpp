@@ -10,7 +10,6 @@
 
 #include <torch/extension.h>
 
-#include <cmath>
 #include <vector>
 
 namespace {
@@ -73,14 +72,6 @@ class Decoder {
 
   // idx (1, 1) int64, the token at position pos (the cache holds positions 0 .. pos - 1)
   // -> next-token logits (1, V); writes the token's keys and values at slot pos.
-  bool math_attention_ = false;
-  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) const {
-    const int64_t L = k.size(2);
-    at::Tensor s = at::bmm(q.view({n_head_, 1, head_dim_}), k.view({n_head_, L, head_dim_}).transpose(1, 2));
-    s.mul_(1.0 / std::sqrt(static_cast<double>(head_dim_)));
-    return at::bmm(at::softmax(s, -1), v.view({n_head_, L, head_dim_}));
-  }
-
   at::Tensor step(const at::Tensor& idx, int64_t pos) const {
     const int64_t C = n_head_ * head_dim_;
     at::Tensor x = at::embedding(wte_, idx).view({1, C}) + wpe_.narrow(0, pos, 1);
@@ -89,9 +80,7 @@ class Decoder {
       auto qkv = L.attn(h).view({1, 3, n_head_, 1, head_dim_}).unbind(1);  // q, k, v (1, nh, 1, hd)
       L.k.narrow(2, pos, 1).copy_(qkv[1]);
       L.v.narrow(2, pos, 1).copy_(qkv[2]);
-      at::Tensor y = math_attention_
-          ? attend(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1))
-          : at::scaled_dot_product_attention(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1));
+      at::Tensor y = at::scaled_dot_product_attention(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1));
       x = x + L.attn_proj(y.reshape({1, C}));
       h = at::layer_norm(x, {C}, L.ln2_w, L.ln2_b, eps_);
       x = x + L.mlp_proj(at::gelu(L.fc(h), "tanh"));
@@ -112,6 +101,5 @@ class Decoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, double>())
-      .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def_readwrite("math_attention", &Decoder::math_attention_);
+      .def("step", &Decoder::step, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
