@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from gptlab import beam_search, generate, speculative_generate, stream
 from gptlab.cli import main
-from gptlab.fast import native
+from gptlab.fast import cpu, native
 from gptlab.fast.cpu import pack_for_decoding
 from gptlab.interop.hf import to_hf
 from gptlab.kvcache import StaticKVCache
@@ -59,12 +59,16 @@ def _steps(model, decode, cache, ids):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+@pytest.mark.parametrize("product", ["bag", "bmm", "plain"])
 @pytest.mark.parametrize("kw", [{}, dict(bias=False), dict(tie_weights=False)], ids=["gpt2", "no_bias", "untied"])
-def test_the_same_logits_and_cache_as_the_python_step(packed, kw):
+def test_the_same_logits_and_cache_as_the_python_step(product, kw, monkeypatch):
+    """Every product kind: packed blocks by the embedding bag (x86) or by a batched product (CPUs
+    without FBGEMM's kernel), and the plain weight."""
+    if product == "bmm":
+        monkeypatch.setattr(cpu, "EMBEDDING_BAG_PRODUCT", False)
     model = _gpt2(**kw)
     ids = torch.randint(0, 53, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: packed):
+    with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: product != "plain"):
         ref, got = StaticKVCache.for_model(model, 1, 32), StaticKVCache.for_model(model, 1, 32)
         want = _steps(model, model.decode, ref, ids)
         step = native.native_decode(model, got, model.decode)
@@ -132,7 +136,7 @@ def test_what_it_does_not_reproduce_runs_the_python_step():
     assert native.why_not(model, cache) is None
     assert "batch-1" in native.why_not(model, StaticKVCache.for_model(model, 2, 8))
     model.train()
-    assert native.why_not(model, cache) == "the model is in training mode"
+    assert native.why_not(model, cache) == "the model (or one of its modules) is in training mode"
     model.eval()
     model.transformer.h[0].attn.record_weights = True
     assert "written-out" in native.why_not(model, cache)
@@ -213,7 +217,7 @@ def test_a_linear_layer_of_another_kind_runs_the_python_step():
         pass
 
     old = model.transformer.h[0].mlp.c_fc
-    model.transformer.h[0].mlp.c_fc = Scaled(old.in_features, old.out_features)
+    model.transformer.h[0].mlp.c_fc = Scaled(old.in_features, old.out_features).eval()
     assert "neither nn.Linear nor PackedLinear" in native.why_not(model, StaticKVCache.for_model(model, 1, 4))
 
 

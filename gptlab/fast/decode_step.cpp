@@ -14,23 +14,29 @@
 
 namespace {
 
-// One linear layer: y = x W^T + b for x (1, in) -> (1, out).
+// One linear layer: y = x W^T + b for x (1, in) -> (1, out), as gptlab.fast.cpu computes it.
 struct Product {
-  bool packed;      // packed row blocks (gptlab.fast.cpu.row_blocks) or the plain weight
-  at::Tensor a;     // packed: the blocks viewed as an embedding table (P * in, part); plain: W (out, in)
-  at::Tensor bias;  // packed: (P, part); plain: (out,); undefined: no bias
-  at::Tensor indices, offsets;  // packed: one bag per block (gptlab.fast.cpu.RowBlocks)
+  int64_t kernel;   // 0: the plain weight (F.linear); packed row blocks (gptlab.fast.cpu.row_blocks)
+                    // multiplied by 1: an embedding bag (bag_product), 2: a batched product (batched_product)
+  at::Tensor a;     // 0: W (out, in); 1: the blocks as an embedding table (P * in, part); 2: the blocks (P, in, part)
+  at::Tensor bias;  // 0: (out,); 1: (P, part); 2: (P, 1, part); undefined: no bias
+  at::Tensor indices, offsets;  // 1: one bag per block (gptlab.fast.cpu.RowBlocks)
   int64_t parts, in, out;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (!packed) return at::linear(x, a, bias);
-    // gptlab.fast.cpu.bag_product for one vector: x once per block as the bag's weights
-    std::vector<at::Tensor> copies(parts, x.reshape({in}));
-    at::Tensor y = std::get<0>(at::embedding_bag(a, indices, offsets, false, 0, false, at::cat(copies)));
-    int64_t part = y.size(1);
-    if (bias.defined()) y = y.view({1, parts, part}).add_(bias);
-    y = y.view({1, parts * part});
-    return parts * part == out ? y : y.narrow(-1, 0, out);
+    if (kernel == 0) return at::linear(x, a, bias);
+    at::Tensor y;
+    if (kernel == 1) {  // x once per block as the bag's weights: (P, part)
+      std::vector<at::Tensor> copies(parts, x.reshape({in}));
+      y = std::get<0>(at::embedding_bag(a, indices, offsets, false, 0, false, at::cat(copies)));
+      if (bias.defined()) y = y.view({1, parts, y.size(1)}).add_(bias);
+      y = y.view({1, -1});
+    } else {  // x against every block at once: (P, 1, part)
+      at::Tensor x2 = x.reshape({1, 1, in}).expand({parts, 1, in});
+      y = bias.defined() ? at::baddbmm(bias, x2, a) : at::bmm(x2, a);
+      y = y.transpose(0, 1).reshape({1, -1});
+    }
+    return y.size(1) == out ? y : y.narrow(-1, 0, out);
   }
 };
 
@@ -47,7 +53,7 @@ class Decoder {
   // tensors: wte, wpe, ln_f weight, ln_f bias, the cache's k and v (n_layer, 1, nh, max_len, hd),
   // then per layer ln_1 weight, ln_1 bias, ln_2 weight, ln_2 bias, and per linear layer (the
   // layers' four, then lm_head) four tensors: a, bias, indices, offsets; an empty tensor stands for
-  // none. n: n_layer, n_head, head_dim, then per linear layer packed (0/1), parts, in, out.
+  // none. n: n_layer, n_head, head_dim, then per linear layer its kernel (see Product), parts, in, out.
   // eps: the layer norms' epsilon.
   Decoder(const std::vector<at::Tensor>& t, const std::vector<int64_t>& n, double eps)
       : n_layer_(n[0]), n_head_(n[1]), head_dim_(n[2]), eps_(eps) {
@@ -55,7 +61,7 @@ class Decoder {
     at::Tensor k = t[4], v = t[5];
     size_t ti = 6, ni = 3;
     auto product = [&]() {
-      Product p{n[ni] != 0, t[ti], optional(t[ti + 1]), t[ti + 2], t[ti + 3], n[ni + 1], n[ni + 2], n[ni + 3]};
+      Product p{n[ni], t[ti], optional(t[ti + 1]), t[ti + 2], t[ti + 3], n[ni + 1], n[ni + 2], n[ni + 3]};
       ti += 4, ni += 4;
       return p;
     };

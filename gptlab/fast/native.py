@@ -49,6 +49,7 @@ from ..attention import CausalSelfAttention
 from ..kvcache import StaticKVCache
 from ..layers import MLP, LayerNorm
 from ..model import GPT, Block
+from . import cpu
 from .cpu import PackedLinear
 
 __all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "NativeBuildError"]
@@ -156,7 +157,7 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
             ("learned", "layernorm", "gelu", True, True, None):
         return "not GPT-2's architecture (learned positions, pre-norm LayerNorm, GELU, full heads, no window)"
     if any(mod.training for mod in model.modules()):
-        return "the model is in training mode"
+        return "the model (or one of its modules) is in training mode"
     if type(cache) is not StaticKVCache or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
         return "not a float32 batch-1 StaticKVCache"
     blocks = list(model.transformer.h)
@@ -187,12 +188,16 @@ def _tensors(model: nn.Module, cache: Any) -> tuple[list[Tensor], list[int], flo
     ints = [c.n_layer, c.n_head, c.head_dim]
 
     def product(m: nn.Module) -> None:
-        if isinstance(m, PackedLinear):
+        if isinstance(m, PackedLinear):  # one vector's product as blocks_product runs it on this machine
             b = m.blocks
             P, inp, part = b.weight.shape
-            tensors.extend([b.weight.view(P * inp, part), none if b.bias is None else b.bias.view(P, part),
-                            b.indices, b.offsets])
-            ints.extend([1, P, inp, b.out_features])
+            if cpu.EMBEDDING_BAG_PRODUCT:
+                tensors.extend([b.weight.view(P * inp, part), none if b.bias is None else b.bias.view(P, part),
+                                b.indices, b.offsets])
+                ints.extend([1, P, inp, b.out_features])
+            else:
+                tensors.extend([b.weight, none if b.bias is None else b.bias, none, none])
+                ints.extend([2, P, inp, b.out_features])
         else:
             tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
             ints.extend([0, 1, m.in_features, m.out_features])
