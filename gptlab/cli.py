@@ -367,6 +367,9 @@ def _bench_speculative_arguments(parser) -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where the models train (if not cached) and run")
+    parser.add_argument("--no-native", action="store_true",
+                        help="do not build the C++ decode step (python -m gptlab build-native); the draft's guesses "
+                             "then run it only if it was built before")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--plot", default="bench_speculative.png", metavar="PATH",
                         help="PNG of speed-up against draft length ('' = no plot)")

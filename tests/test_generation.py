@@ -311,6 +311,7 @@ def test_bench_generate_quick_smoke(tmp_path):
     assert rc == 0
     data = json.loads(out_json.read_text())
     assert data["machine"] and data["machine"] in buf.getvalue()
+    assert set(data["cpu_settings"]) == {"MKL_CBWR", "ATEN_CPU_CAPABILITY", "torch_cpu_capability"}
     assert all(data["same_tokens"][k] for k in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd"))
     assert data["results"]["gptlab_cached"]["tokens_per_s_best"] > 0
     assert out_png.stat().st_size > 1000

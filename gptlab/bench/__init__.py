@@ -13,8 +13,17 @@ import os
 import torch
 
 from ..device import cpu_model
+from ..fast import native
 
-__all__ = ["machine_name"]
+__all__ = ["machine_name", "cpu_settings", "native_build"]
+
+
+def cpu_settings() -> dict:
+    """What picks the CPU kernels, and so the last digits of a float and the speed: the
+    ``MKL_CBWR`` and ``ATEN_CPU_CAPABILITY`` environment variables as set (None: unset) and the
+    vector instruction set PyTorch runs (``torch.backends.cpu.get_cpu_capability()``)."""
+    return {"MKL_CBWR": os.environ.get("MKL_CBWR"), "ATEN_CPU_CAPABILITY": os.environ.get("ATEN_CPU_CAPABILITY"),
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def machine_name() -> str:
@@ -24,3 +33,18 @@ def machine_name() -> str:
     if torch.cuda.is_available():
         desc = f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}); host: {desc}"
     return desc
+
+
+def native_build(skip: bool) -> float | None:
+    """Build the C++ decode step unless ``skip`` (``--no-native``) or built already; the seconds the
+    build took (None: no build now). Printed; a machine that cannot build it runs the Python step."""
+    if skip:
+        print("C++ decode step: not built (--no-native); gptlab_cached runs the Python step")
+        return None
+    try:
+        seconds = native.build()
+    except native.NativeBuildError as e:
+        print(f"C++ decode step: {e}; gptlab_cached runs the Python step")
+        return None
+    print(f"C++ decode step: {'already built' if seconds == 0 else f'built in {seconds:.1f} s'} ({native.build_dir()})")
+    return seconds or None

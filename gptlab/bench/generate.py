@@ -60,7 +60,7 @@ from ..fast.cpu import batched_product, blocks_product, calibration_path, last_p
 from ..files import atomic_path, atomic_write_json
 from ..generation import generate
 from ..model import GPT, GPTConfig
-from . import machine_name
+from . import cpu_settings, machine_name, native_build
 
 __all__ = ["run", "mini_model"]
 
@@ -157,21 +157,6 @@ def _compile_time(f, n: int) -> float:
     compile_s = max(0.0, first - _time(f, n))
     print(f"gptlab_compiled: compiled in {compile_s:.1f} s (first call {first:.1f} s)")
     return compile_s
-
-
-def _native_build(skip: bool) -> float | None:
-    """Build the C++ decode step unless ``skip`` (``--no-native``) or built already; the seconds the
-    build took (None: no build now). Printed; a machine that cannot build it runs the Python step."""
-    if skip:
-        print("C++ decode step: not built (--no-native); gptlab_cached runs the Python step")
-        return None
-    try:
-        seconds = native.build()
-    except native.NativeBuildError as e:
-        print(f"C++ decode step: {e}; gptlab_cached runs the Python step")
-        return None
-    print(f"C++ decode step: {'already built' if seconds == 0 else f'built in {seconds:.1f} s'} ({native.build_dir()})")
-    return seconds or None
 
 
 def _time(f, n: int) -> float:
@@ -294,12 +279,12 @@ def run(args) -> int:
     device = torch.device(args.device)
     model = mini_model(n_embd=args.n_embd).to(device)
     hf = None if args.no_hf else _hf_model(model)
-    machine = machine_name()
-    print(f"machine: {machine}")
+    machine, settings = machine_name(), cpu_settings()
+    print(f"machine: {machine}; {', '.join(f'{k}={v}' for k, v in settings.items())}")
     print(f"model: GPT-2 Mini shape (6 layers, 6 heads, {args.n_embd} wide, vocab 65, block 256), "
           f"{model.num_params() / 1e6:.2f} M params; batch 1, greedy, {n_new} new tokens from a 1-token prompt")
 
-    build_s = _native_build(args.no_native)
+    build_s = native_build(args.no_native)
     fns = _contenders(model, hf, n_new, device, compiled=args.compile)
     compile_s = _compile_time(fns["gptlab_compiled"], n_new) if args.compile else None
     same, plan, steps = _same_tokens(fns)
@@ -313,6 +298,7 @@ def run(args) -> int:
     if args.json:
         payload = {
             "machine": machine,
+            "cpu_settings": settings,
             "device": str(device),
             "threads": torch.get_num_threads(),
             "n_embd": args.n_embd,

@@ -37,9 +37,10 @@ from ..assets import cache_dir
 from ..train.checkpoint import load_model
 from ..data import prepare_char_data
 from ..files import atomic_path, atomic_write_text
+from ..fast import native
 from ..generation import SpeculativeStats, generate, speculative_generate
 from ..train import get_recipe, train
-from . import machine_name
+from . import cpu_settings, machine_name, native_build
 
 __all__ = ["run", "PRESETS", "trained_models"]
 
@@ -191,8 +192,15 @@ def run(args) -> int:
               f"{i['train_steps']} steps{' distilled from the target' if i['distilled'] else ''}, "
               f"val loss {i['val_loss']:.3f}")
 
-    results = {"machine": machine_name(), "device": str(device), "models": info, "new_tokens": n_new,
-               "prompts": len(prompts), "rounds": args.rounds, "modes": {}}
+    build_s = native_build(args.no_native)
+    generate(target, prompts[0], 2, temperature=0)
+    steps = {"target_alone": native.last_use()}
+    speculative_generate(target, draft, prompts[0], 4, num_draft_tokens=2, temperature=0)
+    steps["draft"] = native.last_use()
+    print(f"decode steps: the target alone: {steps['target_alone']}; the draft's guesses: {steps['draft']}")
+    results = {"machine": machine_name(), "cpu_settings": cpu_settings(), "device": str(device), "models": info,
+               "new_tokens": n_new, "prompts": len(prompts), "rounds": args.rounds, "decode_steps": steps,
+               "native_build_s": build_s, "modes": {}}
     for temp in temps:
         mode = "greedy" if temp == 0 else f"T={temp:g}"
         times, stats = _timed_rounds(target, draft, prompts, gs, temp, n_new, args, device, sync)
