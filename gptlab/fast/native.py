@@ -5,7 +5,7 @@ once built.
 Why. With the weights streaming fast (:mod:`gptlab.fast.cpu`), what is left of a small model's
 decode step on a CPU is a few hundred small operations (norms, adds, views, one query's
 attention), and from Python each costs about a microsecond of interpreter and argument parsing
-on top of its work: GPT-2 Mini's step spends about half its time there. ``decode_step.cpp`` makes
+on top of its work: GPT-2 Mini's step spends about a third of its time there. ``decode_step.cpp`` makes
 the same calls, in the same order, on the same tensors (the model's weights, the packed copies
 :class:`~gptlab.fast.cpu.PackedLinear` made, the :class:`~gptlab.kvcache.StaticKVCache`'s
 buffers, written in place), from C++: the logits are the same numbers, and a step costs the
