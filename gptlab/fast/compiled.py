@@ -26,7 +26,6 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import BackendCompilerFailed
 
 __all__ = ["compiled_decode", "decode_step", "CompileFallbackWarning"]
 
@@ -49,6 +48,11 @@ def compiled_decode(model) -> Callable[..., Tensor]:
     this process, after one :class:`CompileFallbackWarning` saying why: the failure happens while
     compiling, before the step ran, so nothing (the cache included) is half done.
     """
+    # torch._dynamo is imported here, when a decode compiles, not with gptlab: importing it costs
+    # about a second, and it registers an exit handler that can deadlock a process whose
+    # torch.distributed threads are still winding down at exit (a DDP training run).
+    from torch._dynamo.exc import BackendCompilerFailed
+
     cls = type(model)
     if cls not in _COMPILED:
         _COMPILED[cls] = torch.compile(cls.decode, dynamic=True)
