@@ -43,8 +43,8 @@ from torch import Tensor
 
 from .. import model as _model
 from .. import train as _train
-from .core import (Candidate, ExerciseError, Forbidden, as_number, call, call_by_keyword, describe, expect_close,
-                   expect_number, expect_tensor, require_function, show_number)
+from .core import (Candidate, DelegationError, ExerciseError, Forbidden, as_number, call, call_by_keyword, describe,
+                   expect_close, expect_number, expect_tensor, require_function, show_number)
 from .remote import Remote, is_module, isinstance_of, load_params, make, same_object
 from .task import Case, Task
 
@@ -409,8 +409,34 @@ def check_lr_at(fn: Callable[..., float], seed: int | None = None) -> None:
     """Check ``lr_at(step, max_lr, min_lr, warmup, total) -> float`` against
     :func:`gptlab.train.lr_at` at every step from 0 to total + 5 of three schedules (with and
     without warmup, min_lr 0), within 1e-12 + 1e-9 x |expected|; the mistake is named at the
-    first step that differs."""
-    LR_AT.check(fn, seed)
+    first step that differs, and the message shows the schedule's key steps side by side."""
+    require_function(fn, "lr_at")
+    for case in _lr_cases(seed):
+        try:
+            LR_AT.check_case(fn, case)
+        except DelegationError:
+            raise
+        except ExerciseError as e:
+            table = _lr_table(fn, case)
+            if not table:
+                raise
+            raise ExerciseError(f"{e}\n{table}") from None
+
+
+def _lr_table(fn: Callable[..., float], case: Case) -> str:
+    """The schedule of ``case`` at its key steps (the first ones, the warmup's end, total, after it
+    and the step that failed), expected beside the learner's (what a wrong phase looks like); ""
+    where the learner's function fails at one of them."""
+    step, max_lr, min_lr, warmup, total = case.args
+    shown = sorted({0, 1, max(warmup - 1, 0), warmup, total - 1, total, total + 3, step})
+    rows = []
+    for s in shown:
+        try:
+            got = float(call(fn, "lr_at", s, max_lr, min_lr, warmup, total, forbidden=LR_AT.forbidden))
+        except Exception:  # noqa: BLE001 - the error above is the message; the table only helps
+            return ""
+        rows.append(f"      step {s:3d}: expected {_train.lr_at(s, max_lr, min_lr, warmup, total):.6g}, got {got:.6g}")
+    return "  the schedule at its key steps:\n" + "\n".join(rows)
 
 
 # --------------------------------------------------------------------------- train
