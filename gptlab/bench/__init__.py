@@ -39,12 +39,12 @@ def native_build(skip: bool) -> float | None:
     """Build the C++ decode step unless ``skip`` (``--no-native``) or built already; the seconds the
     build took (None: no build now). Printed; a machine that cannot build it runs the Python step."""
     if skip:
-        print("C++ decode step: not built (--no-native); gptlab_cached runs the Python step")
+        print("C++ decode step: not built (--no-native); decoding runs the Python step")
         return None
     try:
         seconds = native.build()
     except native.NativeBuildError as e:
-        print(f"C++ decode step: {e}; gptlab_cached runs the Python step")
+        print(f"C++ decode step: {e}; decoding runs the Python step")
         return None
     print(f"C++ decode step: {'already built' if seconds == 0 else f'built in {seconds:.1f} s'} ({native.build_dir()})")
     return seconds or None
