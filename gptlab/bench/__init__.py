@@ -39,7 +39,7 @@ def native_build(skip: bool) -> float | None:
     """Build the C++ decode step unless ``skip`` (``--no-native``) or built already; the seconds the
     build took (None: no build now). Printed; a machine that cannot build it runs the Python step."""
     if skip:
-        print("C++ decode step: not built (--no-native); decoding runs the Python step")
+        print("C++ decode step: not built now (--no-native); decoding uses it only where it was built before")
         return None
     try:
         seconds = native.build()
