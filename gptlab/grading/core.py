@@ -589,8 +589,9 @@ def expect_number(got: Any, what: str, integer: bool = False) -> Tensor:
 
 
 def as_number(x: float) -> Tensor:
-    """``x`` as a 0-d float64 tensor: what the reference and the mistakes' thunks of a task whose
-    answer is a number return (:func:`close` reads a bare Python float as float32, too coarse)."""
+    """``x`` as a 0-d float64 tensor (exact for integers below 2**53): how :func:`expect_number` and
+    :meth:`~gptlab.grading.task.Task.check_case` compare answers that are numbers; :func:`close`
+    compares a mistake's number the same way."""
     return torch.tensor(x, dtype=torch.float64)
 
 

@@ -43,7 +43,7 @@ from torch import Tensor
 
 from .. import model as _model
 from .. import train as _train
-from .core import (Candidate, DelegationError, ExerciseError, Forbidden, as_number, call, call_by_keyword, describe,
+from .core import (Candidate, DelegationError, ExerciseError, Forbidden, call, call_by_keyword, describe,
                    expect_close, expect_number, expect_tensor, require_function, show_number)
 from .remote import Remote, is_module, isinstance_of, load_params, make, same_object
 from .task import Case, Task
@@ -320,7 +320,7 @@ def _count_mistakes(sizes: dict) -> list[Candidate]:
 
 
 COUNT_PARAMS = Task(
-    "count_params", lambda sizes: as_number(reference_count(**sizes)),
+    "count_params", lambda sizes: reference_count(**sizes),
     (Forbidden(_model.GPT, "gptlab's GPT (building a model to count it)"),
      Forbidden(_model.GPT.num_params, "gptlab's GPT.num_params"),
      Forbidden(nn.Module.parameters, "a model's .parameters() (counting an instantiated model)")),
@@ -396,11 +396,11 @@ _LR_BUGS = {
 }
 
 LR_AT = Task(
-    "lr_at", lambda *schedule: as_number(_train.lr_at(*schedule)),
+    "lr_at", _train.lr_at,
     (Forbidden(_train.lr_at, "gptlab's lr_at"),
      Forbidden(torch.optim.lr_scheduler.CosineAnnealingLR, "torch's CosineAnnealingLR")),
     _lr_cases, 1e-12, 1e-9,
-    mistakes=lambda *schedule: [(text, lambda bug=bug: as_number(_lr_variant(*schedule, bug=bug)))
+    mistakes=lambda *schedule: [(text, lambda bug=bug: _lr_variant(*schedule, bug=bug))
                                 for bug, text in _LR_BUGS.items()],
     expect=lambda got, case: expect_number(got, case.what), show=show_number)
 

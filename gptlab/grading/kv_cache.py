@@ -32,7 +32,7 @@ from .. import kvcache as _kvcache
 from ..attention import CausalSelfAttention, attention, merge_heads, split_heads
 from ..masks import causal_mask
 from ..model import GPT, Block, GPTConfig
-from .core import (Candidate, ExerciseError, Forbidden, as_number, call, call_by_keyword, entries_of, expect_close,
+from .core import (Candidate, ExerciseError, Forbidden, call, call_by_keyword, entries_of, expect_close,
                    expect_number, expect_tensor, require_function, same, show_number, show_tensor)
 from .task import Case, Task
 
@@ -434,7 +434,7 @@ def _expect_bytes(got, case: Case) -> Tensor:
 
 
 KV_CACHE_BYTES = Task(
-    "kv_cache_bytes", lambda c: as_number(_kvcache.kv_cache_bytes(**c)),
+    "kv_cache_bytes", lambda c: _kvcache.kv_cache_bytes(**c),
     entries_of(_kvcache, "kv_cache_bytes", "kv_cache_bytes_for"), _bytes_cases, mistakes=_bytes_mistakes,
     expect=_expect_bytes, caller=call_by_keyword, show=show_number,
     diagnose=lambda got, want, case: "none of the usual ones: 2 (k and v) x n_layer x batch x n_kv_head x seq_len x "

@@ -30,7 +30,6 @@ from .core import (
     Candidate,
     ExerciseError,
     Forbidden,
-    as_number,
     call,
     entries_of,
     expect_distribution,
@@ -167,16 +166,16 @@ def _tokens_mistakes(a: float, g: int) -> list[Candidate]:
     return [
         ("you counted the accepted guesses only: a pass also yields one token of the target's (the correction or "
          "the bonus), so the expectation is (1 - a^(g+1)) / (1 - a), one more.",
-         lambda: as_number((a - a ** (g + 1)) / (1 - a) if a < 1 else g)),
+         lambda: (a - a ** (g + 1)) / (1 - a) if a < 1 else g),
         ("the exponent is off by one: with g guesses there are g + 1 possible outcomes, so it is a^(g+1).",
-         lambda: as_number((1 - a**g) / (1 - a) if a < 1 else g)),
+         lambda: (1 - a**g) / (1 - a) if a < 1 else g),
         ("you used the infinite sum 1 / (1 - a): there are only g guesses.",
-         lambda: as_number(1 / (1 - a) if a < 1 else float("inf"))),
+         lambda: 1 / (1 - a) if a < 1 else float("inf")),
     ]
 
 
 EXPECTED_TOKENS = Task(
-    "expected_tokens_per_pass", lambda a, g: as_number(_spec.expected_tokens_per_pass(a, g)), _GPTLAB, _tokens_cases,
+    "expected_tokens_per_pass", _spec.expected_tokens_per_pass, _GPTLAB, _tokens_cases,
     1e-9, 1e-9, _tokens_mistakes, lambda got, case: expect_number(got, case.what),
     lambda got, want, case: "none of the usual ones: the geometric sum 1 + a + ... + a^g.", show=show_number)
 
