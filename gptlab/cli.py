@@ -456,7 +456,7 @@ def _cmd_autograde(args) -> int:
     course = _course(args)
     assignments = course.assignments(args.assignments)
     results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
-                        progress=not args.quiet)
+                        progress=not args.quiet, sandbox=not args.no_sandbox)
     for r in sorted(results, key=lambda r: (r["assignment"], r["student"])):
         notes = f"  ({len(r['notes'])} note(s))" if r["notes"] else ""
         print(f"{r['assignment']}  {r['student']}: {r['total']:g}{notes}")
@@ -530,12 +530,16 @@ def _course_arguments(p: argparse.ArgumentParser) -> None:
     a = step("autograde", _cmd_autograde, assignments=True, student=True,
              help="run the tests of every submission; scores into the gradebook",
              description="Autograde the submissions in submitted/ (all assignments by default). "
-                         "A notebook that is malformed, crashes its kernel, loops or was tampered with "
+                         "Every kernel runs in an operating-system sandbox. A notebook that is malformed, crashes its kernel, loops "
+                         "or attacks the grader "
                          "costs only the points it affects, and gets a note in the feedback.")
     a.add_argument("--workers", type=int, default=1, help="students graded in parallel (one process each)")
     a.add_argument("--timeout", type=int, default=None,
                    help="time limit per cell in seconds (default: nbgrader_config.py's Execute.timeout); "
                         "cells declaring {\"gptlab\": {\"timeout\": S}} keep theirs")
+    a.add_argument("--no-sandbox", action="store_true",
+                   help="run the learners' kernels WITHOUT the operating-system sandbox (only where none can start: "
+                        "not Linux, no bubblewrap); every feedback page and the grades export say so")
 
     step("feedback", _cmd_feedback, assignments=True, student=True,
          help="HTML feedback per student, with the autograder's notes",

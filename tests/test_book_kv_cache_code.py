@@ -85,5 +85,5 @@ def test_the_new_token_mask_is_the_shifted_lower_triangle(chapter):
         assert torch.equal(new_token_mask(0, S + 1), causal_mask(S + 1))
 
 
-def test_the_chapters_code_is_no_tampering(chapter):
-    assert source.tampering(chapter[1]) == []
+def test_the_chapters_code_would_not_be_flagged(chapter):
+    assert source.guard_switches(chapter[1]) == []

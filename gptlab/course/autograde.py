@@ -288,6 +288,21 @@ def _cell_times(autograded_nb: Path) -> dict[str, float]:
     return times
 
 
+def _reviews(autograded_nb: Path) -> dict[str, list[str]]:
+    """grade_id -> why the instructor should review it (``gptlab.verdict.review``), for the test
+    cells the trusted grader flagged."""
+    import nbformat
+
+    out = {}
+    nb = nbformat.read(autograded_nb, as_version=4)
+    for cell in nb.cells:
+        gid = cell.metadata.get("nbgrader", {}).get("grade_id")
+        review = cell.metadata.get("gptlab", {}).get("verdict", {}).get("review")
+        if gid and review:
+            out[gid] = [str(x) for x in review]
+    return out
+
+
 def _quiet_sqlalchemy() -> None:
     """nbgrader 0.9's gradebook code makes SQLAlchemy 2 warn that cascaded objects are "not in
     session" when a submission is created; the rows are written all the same (the tests count them)."""
@@ -351,6 +366,14 @@ def _run_autograde(cfg, student: str, notebooks: list[str], autograded: Path, re
             continue
         notes.extend(_events(out, nb_name))
         result["times"][nb_name] = _cell_times(out)
+        flagged = _reviews(out)
+        if flagged:
+            result.setdefault("review", {})[nb_name] = flagged
+            for gid, why in flagged.items():
+                notes.append({"notebook": nb_name, "cell": gid, "kind": "review", "message": (
+                    f"{gid} is flagged for the instructor's review (its score is not final): the notebook holds "
+                    f"code that could switch off the grader's check of which functions the answer calls: "
+                    f"{'; '.join(why[:3])}")})
 
 
 def _read_scores(db_url: str, result: dict) -> None:
@@ -407,7 +430,12 @@ def grade_student(job: dict) -> dict:
         references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
     _stage_notebooks(course, assignment, staged, notebooks, references, result)
 
-    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted")}
+    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted"),
+                 "GptlabExecute.sandbox": bool(job.get("sandbox", True))}
+    if not job.get("sandbox", True):
+        notes.append({"notebook": None, "cell": None, "kind": "no_sandbox", "message": (
+            "graded WITHOUT the autograder's sandbox (course autograde --no-sandbox): the notebook ran as the "
+            "instructor, with the instructor's files, processes and network.")})
     if job.get("timeout"):
         overrides["Execute.timeout"] = int(job["timeout"])
     cfg = course.config(**overrides)
@@ -478,12 +506,14 @@ def _merge(gb, result: dict) -> float:
         kwargs["timestamp"] = datetime.fromisoformat(result["timestamp"])
     sub = gb.update_or_create_submission(assignment, student, **kwargs)
     total = 0.0
+    flagged = result.get("review") or {}
     for snb in sub.notebooks:
         got = result["notebooks"].get(snb.name)
         for grade in snb.grades:
             auto = got["grades"].get(grade.name) if got else 0.0
             grade.auto_score = auto if auto is not None else (0.0 if not got else None)
-            grade.needs_manual_grade = grade.manual_score is not None or grade.auto_score is None
+            review = grade.name in flagged.get(snb.name, {})
+            grade.needs_manual_grade = grade.manual_score is not None or grade.auto_score is None or review
         for comment in snb.comments:
             comment.auto_comment = got["comments"].get(comment.name) if got else None
         snb.late_submission_penalty = got["late_penalty"] if got else None
@@ -512,8 +542,12 @@ def _weight(course: Course, assignment: str) -> float:
 
 
 def autograde(course: Course, assignments: list[str], students: list[str] | None = None, workers: int = 1,
-              timeout: int | None = None, progress: bool = True) -> list[dict]:
+              timeout: int | None = None, progress: bool = True, sandbox: bool = True) -> list[dict]:
     """Autograde every (or the named) student's submission of each assignment; see the module doc.
+
+    Every kernel runs in the operating-system sandbox (:mod:`gptlab.course.sandbox`); where none
+    can start, a :class:`CourseError` says why and how to fix it, unless ``sandbox=False`` (the
+    instructor's ``--no-sandbox``), which every result's notes then record.
 
     Returns one result per (assignment, student), in the order of ``assignments`` then students:
     scores, notes, cell times, total.
@@ -524,6 +558,12 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
     _quiet_sqlalchemy()
     if workers < 1:
         raise CourseError(f"--workers must be at least 1, got {workers}")
+    if sandbox:
+        from .sandbox import REFUSAL, unavailable
+
+        why = unavailable()
+        if why:
+            raise CourseError(REFUSAL.format(why=why))
     plan = []
     for assignment in assignments:
         who = submitted_students(course, assignment)
@@ -553,7 +593,8 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
             shutil.copyfile(course.gradebook_url[len("sqlite:///"):], snapshot)
 
         jobs = [{"root": str(course.root), "db_url": course.db_url, "snapshot": str(snapshot), "scratch": scratch,
-                 "assignment": assignment, "student": s, "timeout": timeout} for assignment, who in plan for s in who]
+                 "assignment": assignment, "student": s, "timeout": timeout, "sandbox": sandbox}
+                for assignment, who in plan for s in who]
         # the longest submissions first, so that no worker is left with a long one at the end
         jobs.sort(key=lambda j: (-weight[j["assignment"]], rank[j["assignment"]], j["student"]))
         bar = tqdm(total=len(jobs), desc="autograde", unit="submission", disable=not progress or None)

@@ -28,6 +28,13 @@ or ``python -m gptlab course autograde``:
   limit is remembered: later tests whose answers call it fail at once with the same note.
 * **Shell escapes are not run**: ``!cmd`` and the magics that run programs or write files
   (``%%bash``, ``%%writefile``, ``%run``, ...) in the learner's cells become comments.
+* **The kernel runs in a sandbox** (:mod:`gptlab.course.sandbox`, ``GptlabExecute.sandbox``, on by
+  default): bubblewrap, a private folder holding only the notebook, no network, its own PID
+  namespace, resource limits, and the assignment's copy of gptlab without the references its
+  checks forbid. The kernel talks to this process over Unix sockets only (``ipc`` transport).
+* **Output is capped**: a cell's outputs past ``max_output_bytes`` (1 MB) are dropped, with a
+  note saying so, so one cell printing without end cannot fill the autograder's memory or the
+  graded notebook.
 """
 
 from __future__ import annotations
@@ -41,16 +48,18 @@ import subprocess
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from jupyter_core.utils import run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import Execute
-from traitlets import Integer
+from traitlets import Bool, Float, Integer, default
 
 from ..grading import remote
 from ..grading.source import neutralise_shell
 from ..notebook_setup import is_setup_source
+from . import sandbox as _sandbox
 from .trusted import TrustedGrader, Verdict
 
 __all__ = ["GptlabExecute", "declared_timeout", "TIMEOUT_KEY"]
@@ -90,6 +99,83 @@ class GptlabExecute(Execute):
     max_kernel_restarts = Integer(
         3, help="Kernel restarts allowed per notebook; after that the remaining cells are not run."
     ).tag(config=True)
+    sandbox = Bool(True, help="Run every kernel in the operating-system sandbox (gptlab.course.sandbox); "
+                              "False only where none can start (course autograde --no-sandbox).").tag(config=True)
+    sandbox_memory_gb = Float(8.0, help="Address space (GB) of each process in the sandbox.").tag(config=True)
+    max_output_bytes = Integer(1 << 20, help="Output kept per cell (bytes of text); the rest is dropped with a "
+                                             "note.").tag(config=True)
+
+    @default("kernel_manager_class")
+    def _kernel_manager_class_default(self):
+        return _sandbox.SandboxKernelManager
+
+    # -- the sandbox ---------------------------------------------------------------------------
+
+    def _sandbox_start(self, nb, resources) -> None:
+        """The kernel's private folders and the assignment's copy of gptlab (one per notebook run)."""
+        res = resources or {}
+        notebook = (res.get("nbgrader") or {}).get("notebook") or ""
+        self._runtime = tempfile.mkdtemp(prefix="gl-")  # short: Unix socket paths are limited to 107 bytes
+        self._workdir = tempfile.mkdtemp(prefix="gl-nb-")
+        os.chmod(self._runtime, 0o700)
+        source = ((res.get("metadata") or {}).get("path")) or ""
+        mine = os.path.join(source, f"{notebook}.ipynb") if notebook and source else ""
+        if mine and os.path.isfile(mine):  # the notebook, and nothing else, beside the kernel
+            shutil.copyfile(mine, os.path.join(self._workdir, os.path.basename(mine)))
+        self._kernels = 0
+        from ..grading.tasks import TASKS
+
+        self._view = _sandbox.package_view(notebook) if notebook in TASKS else None
+        if self.sandbox:
+            why = _sandbox.unavailable()
+            if why:
+                raise RuntimeError(_sandbox.REFUSAL.format(why=why))
+
+    def _sandbox_end(self) -> None:
+        for folder in (getattr(self, "_runtime", None), getattr(self, "_workdir", None)):
+            if folder:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    def create_kernel_manager(self):
+        km = super().create_kernel_manager()
+        if getattr(self, "_runtime", None) and hasattr(km, "gptlab_spec"):
+            from ..assets import cache_dir
+
+            self._kernels += 1
+            km.transport = "ipc"
+            km.ip = os.path.join(self._runtime, f"k{self._kernels}")
+            km.connection_file = os.path.join(self._runtime, f"kernel-{self._kernels}.json")
+            cache = cache_dir()
+            mine = sorted(Path(self._workdir).glob("*.ipynb"))
+            km.gptlab_spec = {"workdir": Path(self._workdir), "runtime": Path(self._runtime),
+                              "notebook": mine[0] if mine else None,
+                              "view": self._view, "sandbox": bool(self.sandbox),
+                              "limits": _sandbox.Limits(memory_gb=self.sandbox_memory_gb),
+                              "cache": cache if cache.is_dir() else None}
+        return km
+
+    # -- output ------------------------------------------------------------------------------
+
+    def output(self, outs, msg, display_id, cell_index):
+        content = msg.get("content") or {}
+        size = len(content.get("text") or "") + sum(
+            len(v) if isinstance(v, str) else 0 for v in (content.get("data") or {}).values())
+        used = self._output_used.get(cell_index, 0) if hasattr(self, "_output_used") else 0
+        cap = self.max_output_bytes
+        if used + size <= cap:
+            if hasattr(self, "_output_used"):
+                self._output_used[cell_index] = used + size
+            return super().output(outs, msg, display_id, cell_index)
+        if used > cap:  # already noted
+            return None
+        self._output_used[cell_index] = cap + 1
+        room = max(0, cap - used)
+        if msg.get("msg_type") == "stream" and room:
+            msg = {**msg, "content": {**content, "text": content.get("text", "")[:room]}}
+            super().output(outs, msg, display_id, cell_index)
+        outs.append(NotebookNode(output_type="stream", name="stderr", text=(
+            f"\n[the autograder kept the first {cap // 1024} KB of this cell's output and dropped the rest]\n")))
+        return None
 
     # -- time limits ---------------------------------------------------------------------------
 
@@ -126,6 +212,8 @@ class GptlabExecute(Execute):
         from .secret import ENV
 
         kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != ENV})
+        if getattr(self, "_workdir", None):
+            kwargs["cwd"] = self._workdir
         return await super().async_start_new_kernel(**kwargs)
 
     start_new_kernel = run_sync(async_start_new_kernel)
@@ -136,12 +224,19 @@ class GptlabExecute(Execute):
         self._ran_ok: list[int] = []  # cells to run again after a kernel restart
         self._restarts = 0
         self._trusted = None
+        self._output_used: dict[int, int] = {}
+        self._sandbox_start(nb, resources)
+        try:
+            return self._preprocess(nb, resources, km)
+        finally:
+            self._sandbox_end()
+
+    def _preprocess(self, nb, resources=None, km=None):
         notebook = ((resources or {}).get("nbgrader") or {}).get("notebook")
         if notebook:
             from .secret import load_secret
 
-            folder = ((resources or {}).get("metadata") or {}).get("path")  # where the kernel runs
-            self._trusted = TrustedGrader(nb.cells, notebook, load_secret(), folder=folder)
+            self._trusted = TrustedGrader(nb.cells, notebook, load_secret())
         for cell in nb.cells:  # the learner's shell escapes are not run, nor the Colab set-up cell
             meta = cell.get("metadata", {}).get("nbgrader", {})
             if cell.cell_type == "code" and is_setup_source(cell.source):
@@ -216,7 +311,9 @@ class GptlabExecute(Execute):
         """Grade one test cell with :class:`TrustedGrader`, the kernel serving calls meanwhile."""
         limit = self._get_timeout(cell) or 30
         started = time.perf_counter()
-        folder = tempfile.mkdtemp(prefix="gl-")
+        runtime = getattr(self, "_runtime", None)
+        folder = tempfile.mkdtemp(prefix="s", dir=runtime) if runtime else tempfile.mkdtemp(prefix="gl-")
+        os.chmod(folder, 0o755)
         address = os.path.join(folder, "s")
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(address)
@@ -283,8 +380,10 @@ class GptlabExecute(Execute):
         if not serving.is_set() or conn is None or not isinstance(conn.failure, remote.LearnerTimeout):
             return
         try:
-            pid = self.km.provisioner.process.pid
-            os.kill(pid, signal.SIGINT)
+            if hasattr(self.km, "interrupt_now"):
+                self.km.interrupt_now()
+            else:
+                os.kill(self.km.provisioner.process.pid, signal.SIGINT)
         except Exception:  # noqa: BLE001 - the cell's own time limit interrupts it then
             pass
 
@@ -299,11 +398,18 @@ class GptlabExecute(Execute):
             outputs.append(NotebookNode(output_type="stream", name="stdout", text=verdict.message + "\n"))
         else:
             outputs.append(_error(verdict.ename, verdict.message))
+        if verdict.review:
+            outputs.append(NotebookNode(output_type="stream", name="stdout", text=(
+                "Flagged for your instructor's review (this score is not final): your notebook holds code that "
+                "could switch off the grader's check of which functions your answer calls:\n"
+                + "\n".join("  " + line for line in verdict.review) + "\n")))
         cell.outputs = outputs
         cell.execution_count = None
         cell.metadata.setdefault(TIMEOUT_KEY, {})
         cell.metadata[TIMEOUT_KEY] = {**cell.metadata[TIMEOUT_KEY], "verdict": {
             "passed": verdict.passed, "kind": verdict.kind, "message": verdict.message}}
+        if verdict.review:
+            cell.metadata[TIMEOUT_KEY]["verdict"]["review"] = list(verdict.review)
         if seconds is not None:  # how long the trusted check took, the learner's calls included
             cell.metadata[TIMEOUT_KEY]["verdict"]["seconds"] = round(seconds, 3)
 

@@ -6,14 +6,17 @@ each of them it asks :class:`TrustedGrader` (in the autograder's own process) fo
 
 For one test cell (a task of :data:`gptlab.grading.tasks.TASKS`) the grader
 
-1. refuses at once, without touching the kernel, a notebook whose source tampers with how code
-   runs (:func:`gptlab.grading.source.tampering`), and a task whose answer calls a function that
-   was already stopped at its time limit in an earlier test;
+1. refuses at once, without touching the kernel, a task whose answer calls a function that was
+   already stopped at its time limit in an earlier test;
 2. otherwise connects to the kernel (:func:`gptlab.grading.remote.serve`), looks up the learner's
    names, and runs the task's check here on handles to them: on the notebook's inputs, then on
    hidden inputs drawn from the instructor's secret (:mod:`gptlab.course.secret`);
 3. reads the source the task's answer can reach for delegation
-   (:func:`gptlab.grading.source.delegation`), against every entry point the check forbade.
+   (:func:`gptlab.grading.source.delegation`), against every entry point the check forbade;
+4. flags the verdict for the instructor's review when the notebook holds what could switch off
+   the runtime guard (:func:`gptlab.grading.source.guard_switches`) and the check forbade an entry
+   point that only the guard stops (a fused PyTorch op: gptlab's own references are absent from
+   the learner's sandbox whatever the guard does).
 
 The :class:`Verdict` becomes the test cell's output (nbgrader then scores it: an error output
 scores 0, anything else the cell's points) and its metadata ``gptlab.verdict``. What the
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -37,19 +39,23 @@ __all__ = ["Verdict", "TrustedGrader", "learner_cells"]
 @dataclass
 class Verdict:
     """The outcome of one test cell: passed, the message (the check's diagnosis when it failed),
-    its kind (``correct``, ``mistake``, ``delegation``, ``tampering``, ``timeout``, ``crash``,
-    ``missing``, ``grader_error``), and what the learner's code printed while it was checked."""
+    its kind (``correct``, ``mistake``, ``delegation``, ``timeout``, ``crash``, ``missing``,
+    ``grader_error``), what the learner's code printed while it was checked, and whether the
+    instructor should review it (``review``)."""
 
     passed: bool
     message: str
     kind: str
     output: list[str] = field(default_factory=list)
     hung: str | None = None
+    review: list[str] = field(default_factory=list)
+    """Why the instructor should look at this test (the lines that could switch the guard off);
+    empty when nothing needs a look."""
 
     @property
     def ename(self) -> str:
         return {"timeout": "CellTimeoutError", "crash": "DeadKernelError", "delegation": "DelegationError",
-                "tampering": "TamperingError", "missing": "NameError"}.get(self.kind, "ExerciseError")
+                "missing": "NameError"}.get(self.kind, "ExerciseError")
 
 
 def learner_cells(cells) -> list[tuple[int, str, bool]]:
@@ -69,13 +75,11 @@ def learner_cells(cells) -> list[tuple[int, str, bool]]:
 class TrustedGrader:
     """Verdicts for the test cells of one submitted notebook (see the module docstring)."""
 
-    def __init__(self, cells, notebook: str, secret: bytes, folder: str | None = None):
+    def __init__(self, cells, notebook: str, secret: bytes):
         self.notebook = notebook
         self.secret = secret
-        self.folder = folder  # the kernel's working folder (only the notebooks when it starts)
-        self.started = time.time()
         self.program = source.Program(learner_cells(cells))
-        self.tampered = source.tampering(self.program)
+        self.switches = source.guard_switches(self.program)
         self.hung: dict[str, str] = {}  # learner name -> the note of its timeout
 
     def knows(self, grade_id: str) -> bool:
@@ -86,34 +90,24 @@ class TrustedGrader:
         task = task_for(self.notebook, grade_id)
         assert task is not None
         label = task.names[0]
-        if self.tampered:
-            lines = "\n".join("  " + f.text() for f in self.tampered[:5])
-            return Verdict(False, f"{label} was not graded: this notebook contains code that changes how Python, "
-                                  f"IPython or PyTorch run other code or report results, which a graded notebook "
-                                  f"may not do:\n{lines}\nRemove it and submit again (ask your instructor if this "
-                                  "is a mistake).", "tampering")
         reached = {name for cell, node in self.program.reachable(task.names) for name in source.bound_names(node)}
         for name in sorted(reached & set(self.hung)):
             return Verdict(False, f"{label} was not checked: it uses {name}, which was stopped earlier: "
                                   f"{self.hung[name]}", "timeout")
-        planted = self._planted(label)
-        if planted:
-            return planted
         conn = connect()
         try:
             verdict = self._run(task, label, grade_id, conn)
         finally:
             conn.done()
-        return self._planted(label) or verdict
+        return verdict
 
-    def _planted(self, label: str) -> Verdict | None:
-        """A tampering verdict when the notebook imports a module written while it was graded."""
-        planted = source.planted_modules(self.program, self.folder, self.started)
-        if not planted:
-            return None
-        return Verdict(False, f"{label} was not graded: this notebook imports a module that it wrote while it "
-                              f"ran: {', '.join(planted)}. Its code is not in the notebook, which a graded notebook "
-                              "must hold entirely.", "tampering")
+    def _review(self, verdict: Verdict, forbidden: list) -> Verdict:
+        """``verdict`` flagged for review when the notebook could switch off the guard that stops
+        what ``forbidden`` holds beyond gptlab's own entry points (absent from the sandbox)."""
+        guarded = [f for f in forbidden if not str(getattr(f.target, "__module__", "") or "").startswith("gptlab.")]
+        if self.switches and guarded and verdict.kind not in ("missing", "grader_error"):
+            verdict.review = [f.text() for f in self.switches[:5]]
+        return verdict
 
     def _run(self, task: GradedCell, label: str, grade_id: str, conn: remote.Connection) -> Verdict:
         handles = []
@@ -151,13 +145,14 @@ class TrustedGrader:
             text = (f"{label} must be written by hand, but the code it runs uses what computes the answer for it:\n"
                     f"{lines}\nBuild it from basic tensor operations instead.")
             if verdict is not None and verdict.kind != "mistake":
-                return verdict
+                return self._review(verdict, forbidden)
             return Verdict(False, text + (f"\n(Also: {verdict.message})" if verdict else ""), "delegation",
                            conn.output)
         if verdict is not None:
-            return verdict
+            return self._review(verdict, forbidden)
         extra = printed.getvalue().strip()
-        return Verdict(True, f"{label}: correct" + (f"\n{extra}" if extra else ""), "correct", conn.output)
+        return self._review(Verdict(True, f"{label}: correct" + (f"\n{extra}" if extra else ""), "correct",
+                                    conn.output), forbidden)
 
     def _failure(self, e: Exception, conn: remote.Connection) -> Verdict:
         if isinstance(e, remote.LearnerTimeout):

@@ -34,6 +34,7 @@ from ..masks import causal_mask
 from ..model import GPT, Block, GPTConfig
 from .core import (Candidate, ExerciseError, Forbidden, call, call_by_keyword, entries_of, expect_close,
                    expect_number, expect_tensor, require_function, same, show_number, show_tensor)
+from .portables import ReferenceCache, recording_tiny_model, tiny_model  # noqa: F401 (public here too)
 from .task import Case, Task
 
 __all__ = [
@@ -146,43 +147,7 @@ def _kv_shape_hint(t: Tensor, k: Tensor, v: Tensor, before: tuple[Tensor, Tensor
 # --------------------------------------------------------------------------- one cached attention step
 
 
-class _ReferenceCache:
-    """A cache with the assignment's interface, for checking the attention step on its own."""
-
-    def __init__(self):
-        self._inner = _kvcache.ConcatKVCache(1)
-        self.calls = 0
-
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.calls += 1
-        k_all, v_all, _ = self._inner.update(0, k, v)
-        return k_all, v_all
-
-    def held(self) -> tuple[Tensor, Tensor]:
-        """Every key and value cached so far, (B, H, S, d) each."""
-        return self._inner.k[0], self._inner.v[0]
-
-    # the autograder sends this cache to the learner's process as a recipe, and reads it back
-    def __gptlab_portable__(self):
-        return "gptlab.grading.kv_cache:_ReferenceCache.rebuilt", [self._inner.k[0], self._inner.v[0], self.calls]
-
-    def __gptlab_state__(self):
-        return [self._inner.k[0], self._inner.v[0], self.calls]
-
-    def __gptlab_sync__(self, state) -> None:
-        k, v, calls = state
-        self._inner = _kvcache.ConcatKVCache(1)
-        if isinstance(k, Tensor) and isinstance(v, Tensor):
-            self._inner.update(0, k, v)
-        self.calls = int(calls)
-
-    @classmethod
-    def rebuilt(cls, k: Tensor | None, v: Tensor | None, calls: int) -> _ReferenceCache:
-        cache = cls()
-        if k is not None:
-            cache._inner.update(0, k, v)
-        cache.calls = calls
-        return cache
+_ReferenceCache = ReferenceCache  # the name the checks below use
 
 
 def _step_cases(seed: int) -> list[Case]:
@@ -264,31 +229,6 @@ BUGS = {
 }
 
 
-def tiny_model(seed: int = 0) -> GPT:
-    """The GPT-2-style model the generation check runs on: 2 layers, 2 heads, 32 wide, 50 tokens,
-    learned positions, with weights large enough that every listed bug changes the tokens."""
-    with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
-        torch.manual_seed(seed)
-        model = GPT(GPTConfig(vocab_size=50, block_size=48, n_layer=2, n_head=2, n_embd=32, dropout=0.0, bias=True))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return model.eval()
-
-
-def recording_tiny_model(seed: int = 0) -> GPT:
-    """:func:`tiny_model` whose layers record how many positions each ``c_attn`` call saw
-    (``model.__gptlab_state__()``): what the autograder builds in the learner's process."""
-    model = tiny_model(seed)
-    seen: list[list[int]] = [[] for _ in model.transformer.h]
-    for i, blk in enumerate(model.transformer.h):
-        blk.attn.c_attn.register_forward_hook(lambda m, a, o, i=i: seen[i].append(int(a[0].shape[1])))
-    model.__gptlab_state__ = lambda: seen
-    return model
-
-
 def simulate_generate_cached(model: GPT, idx: Tensor, n: int, bug: str | None = None) -> Tensor:
     """Greedy cached generation on a GPT-2-style gptlab model, written with gptlab's pieces, with
     one of :data:`BUGS` put in on purpose (``bug=None``: correct). idx (B, T) -> (B, T + n).
@@ -347,7 +287,7 @@ def check_generate_cached(fn: Callable, seed: int = 0, n: int = 10) -> None:
         for i, blk in enumerate(model.transformer.h)
     ]
     # in the autograder the learner's process gets the same model, with the same recording hooks
-    model.__gptlab_portable__ = lambda: ("gptlab.grading.kv_cache:recording_tiny_model", [seed])
+    model.__gptlab_portable__ = lambda: ("gptlab.grading.portables:recording_tiny_model", [seed])
     model.__gptlab_sync__ = lambda state: [seen[i].extend(int(t) for t in s) for i, s in enumerate(state[:len(seen)])]
     try:
         got = call(fn, "generate_cached", model, idx.clone(), n, forbidden=_MODEL_PATHS)

@@ -47,6 +47,7 @@ from .core import (
     require_function,
     same,
 )
+from .portables import ToyLM
 from .task import Case, Task
 
 __all__ = [
@@ -479,39 +480,6 @@ def check_sample_next(fn: Callable[[Tensor, torch.Generator], Tensor], seed: int
 
 
 # --------------------------------------------------------------------------- beam search
-
-
-class ToyLM:
-    """A small fixed language model for the beam-search check: ``step_fn(ids (N, T)) -> logits (N, V)``.
-
-    The next token's logits depend on the last two tokens and on the length T (so no two different
-    sequences tie exactly); they are a fixed function of ``seed``. Token ``eos`` gets a bias
-    ``eos_bias`` so that hypotheses end at different lengths.
-    """
-
-    def __init__(self, seed: int, vocab_size: int = 10, eos: int = 0, eos_bias: float = -1.0):
-        self._recipe = [seed, vocab_size, eos, eos_bias]
-        g = torch.Generator().manual_seed(seed)
-        V = vocab_size
-        self.vocab_size, self.eos = V, eos
-        self.w1 = torch.randn(V, V, generator=g) * 2.0
-        self.w2 = torch.randn(V, V, generator=g)
-        self.pos = torch.randn(32, V, generator=g)
-        self.w1[:, eos] += eos_bias
-
-    def __call__(self, ids: Tensor) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point():
-            got = f"shape {tuple(ids.shape)}, dtype {ids.dtype}" if isinstance(ids, Tensor) else type(ids).__name__
-            raise TypeError(f"step_fn expects token ids as an integer tensor (N, T), got {got}")
-        ids = ids.long()
-        out = self.w1[ids[:, -1]] + self.pos[ids.shape[1] % 32]
-        if ids.shape[1] > 1:
-            out = out + self.w2[ids[:, -2]]
-        return out.clone()
-
-    def __gptlab_portable__(self):
-        """The autograder rebuilds the same toy model in the learner's process from its arguments."""
-        return "gptlab.grading.sampling:ToyLM", list(self._recipe)
 
 
 def reference_beam_search(step_fn, prompt: Sequence[int], num_beams: int, max_new_tokens: int,

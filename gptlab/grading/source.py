@@ -1,20 +1,23 @@
-"""Reading a learner's submitted code, on the trusted side: tampering and delegation found in the source.
+"""Reading a learner's submitted code, on the trusted side: delegation, and what could switch the guard off.
 
-Where this sits: beside the pipeline, in the autograder (:mod:`gptlab.course.execute`). The runtime
-guard of :func:`gptlab.grading.core.forbid` runs inside the learner's process, where the learner's
-own code could switch it off; the submitted source cannot be switched off. Before any verdict, the
-trusted process reads the learner's cells (every code cell that is not locked) and finds:
+Where this sits: beside the pipeline, in the autograder (:mod:`gptlab.course.execute`). The
+learner's kernel runs in an operating-system sandbox (:mod:`gptlab.course.sandbox`): it cannot reach
+the gradebook, the grader, other students, the network or the solutions, nothing it starts outlives
+it, and gptlab's references for the assignment are absent from it. The source is read for what the
+operating system cannot see, inside the kernel's own process:
 
-* **tampering** (:func:`tampering`), anywhere in the notebook: code that changes how Python, IPython
-  or PyTorch run other code or report results (IPython hooks, ``sys.setprofile``, import hooks,
-  ``exec``/``eval``/``compile``, frames and code objects, ``__torch_function__`` subclasses,
-  ``torch.ops``/``torch._C``, threads and processes, assignments into imported modules). Such a
-  notebook scores 0, and the feedback names the line.
-* **delegation** (:func:`delegation`), in the code a task's answer can reach (its function or
-  class, and every function, class or module-level name of the learner's that it uses, however
-  deep): any of gptlab's graders (``gptlab.grading``), every entry point the task's check forbids
-  (gptlab's reference for the task, the fused PyTorch op), however it was imported or renamed, and
-  reading files. Such a task scores 0, and the feedback names the spelling.
+* **delegation** (:func:`delegation`), task by task, in the code a task's answer can reach (its
+  function or class, and every function, class or module-level name of the learner's that it uses,
+  however deep): any of gptlab's graders (``gptlab.grading``), every entry point the task's check
+  forbids (gptlab's reference for the task, the fused PyTorch op), however it was imported or
+  renamed, and reading files. Such a task scores 0, and the feedback names the spelling.
+* **what could switch the runtime guard off** (:func:`guard_switches`), anywhere in the notebook:
+  the guard that stops PyTorch's fused ops during a graded call lives in the kernel, so profiling
+  and tracing hooks, computed attribute access, frames, code objects, tensor subclasses,
+  ``torch.ops``/``torch._C``, compiled graphs and computed imports could get around it. Such a
+  notebook is graded as usual and flagged for the instructor's review (nbgrader's
+  needs-manual-grade), named in ``course grades`` and in the feedback: never zeroed, never silently
+  passed. Importing or calling an ordinary module never zeroes or flags a notebook.
 
 Shell escapes and the magics that run other programs or write files (``!cmd``, ``%%bash``,
 ``%%writefile``, ``%run``, ...) are not run by the autograder at all (:func:`neutralise_shell`).
@@ -32,8 +35,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Finding", "Program", "neutralise_shell", "tampering", "delegation", "bound_names", "file_writes",
-           "imported_modules", "planted_modules"]
+__all__ = ["Finding", "Program", "neutralise_shell", "guard_switches", "delegation", "bound_names",
+           "REVIEW_LIST_SIZE"]
 
 
 @dataclass(frozen=True)
@@ -277,10 +280,16 @@ def _resolve(path: str) -> Any:
     return None
 
 
-# --------------------------------------------------------------------------- tampering
+# --------------------------------------------------------------------------- what could switch the guard off
 
-_TAMPER_NAMES = {
-    "get_ipython": "it reaches into IPython, which runs the notebook's code",
+# The operating system keeps the learner's kernel away from the gradebook, the grader, the network
+# and the references (gptlab.course.sandbox). What it cannot see is inside the kernel's own process:
+# the runtime guard (gptlab.grading.core.forbid) that stops PyTorch's fused ops during a graded
+# call uses the interpreter's profiling hook, which code in the same process can switch off. The
+# constructs below can do that, or reach a function by a name the source does not show; a notebook
+# holding one is flagged for the instructor's review (never zeroed, never silently passed).
+
+_REVIEW_NAMES = {
     "exec": "it runs code that is not in the notebook's source",
     "eval": "it runs code that is not in the notebook's source",
     "compile": "it makes code that is not in the notebook's source",
@@ -289,263 +298,136 @@ _TAMPER_NAMES = {
     "locals": "it reads or changes the interpreter's namespaces directly",
     "vars": "it reads or changes the interpreter's namespaces directly",
     "breakpoint": "it starts a debugger",
-    "__builtins__": "it changes Python's built-in functions",
+    "__builtins__": "it reaches Python's built-in functions by name",
+    "get_ipython": "it reaches into IPython, which runs the notebook's cells and the grader's server",
 }
-_TAMPER_ATTRS = {
+_REVIEW_ATTRS = {
     "setprofile": "it replaces the interpreter's profiling hook, which the grader's guard uses",
+    "setprofile_all_threads": "it replaces the interpreter's profiling hook, which the grader's guard uses",
     "settrace": "it replaces the interpreter's tracing hook",
+    "settrace_all_threads": "it replaces the interpreter's tracing hook",
     "monitoring": "it uses the interpreter's monitoring hooks",
-    "meta_path": "it installs an import hook",
-    "path_hooks": "it installs an import hook",
-    "path_importer_cache": "it changes how modules are imported",
-    "displayhook": "it replaces how results are shown",
-    "excepthook": "it replaces how errors are reported",
     "_getframe": "it reads the interpreter's call frames",
+    "currentframe": "it reads the interpreter's call frames",
     "f_back": "it reads the interpreter's call frames",
     "f_globals": "it reads the interpreter's call frames",
     "f_locals": "it reads the interpreter's call frames",
     "f_builtins": "it reads the interpreter's call frames",
-    "f_code": "it reads the interpreter's call frames",
     "tb_frame": "it reads the interpreter's call frames",
     "gi_frame": "it reads the interpreter's call frames",
     "__code__": "it reads or replaces a function's code",
     "__globals__": "it reads a function's namespace",
     "__closure__": "it reads a function's closure",
-    "__builtins__": "it changes Python's built-in functions",
+    "__builtins__": "it reaches Python's built-in functions by name",
+    "__dict__": "it reads or changes an object's namespace by computed names",
+    "__getattribute__": "it reads attributes by computed names",
+    "__subclasses__": "it walks the class hierarchy to reach other code",
     "__torch_function__": "a tensor that overrides PyTorch's functions can answer any comparison",
     "__torch_dispatch__": "a tensor that overrides PyTorch's operators can answer any comparison",
     "_make_subclass": "it makes a tensor subclass",
     "as_subclass": "it makes a tensor subclass",
-    "__subclasses__": "it walks the class hierarchy to reach other code",
-    "__bases__": "it walks the class hierarchy to reach other code",
-    "__mro__": "it walks the class hierarchy to reach other code",
-    "__dict__": "it reads or changes an object's namespace directly",
-    "__getattribute__": "it reads attributes by computed names",
-    "_C": "it calls PyTorch's internal C bindings",
-    "_VF": "it calls PyTorch's internal C bindings",
-    "ops": "it calls PyTorch's operator library directly (torch.ops)",
-    "overrides": "it uses PyTorch's override machinery",
+    "_C": "it calls PyTorch's internal C bindings, which the guard does not see",
+    "_VF": "it calls PyTorch's internal C bindings, which the guard does not see",
+    "ops": "it calls PyTorch's operator library directly (torch.ops), which the guard does not see",
     "library": "it defines PyTorch operators",
-    "cpp_extension": "it compiles and loads native code, which the notebook's source does not show",
+    "overrides": "it uses PyTorch's override machinery",
     "load_library": "it loads native code, which the notebook's source does not show",
-    "get_ipython": "it reaches into IPython, which runs the notebook's code",
-    "input_transformers_post": "it installs an IPython input transformer",
-    "input_transformers_cleanup": "it installs an IPython input transformer",
-    "ast_transformers": "it installs an IPython AST transformer",
-    "register_magic_function": "it defines an IPython magic",
-    "run_cell": "it changes how IPython runs cells",
-    "user_ns": "it reaches into IPython's namespace",
-    "system": "it runs another program",
-    "popen": "it runs another program",
-    "fork": "it starts another process",
-    "FunctionType": "it makes functions from code objects",
-    "CodeType": "it makes code objects",
+    "cpp_extension": "it compiles and loads native code, which the notebook's source does not show",
+    "meta_path": "it installs an import hook",
+    "path_hooks": "it installs an import hook",
     "attrgetter": "it reads attributes by computed names",
     "methodcaller": "it calls methods by computed names",
+    "getattr_static": "it reads attributes by computed names",
+    "get_referrers": "it walks the interpreter's objects to reach other code",
+    "get_referents": "it walks the interpreter's objects to reach other code",
+    "get_objects": "it walks the interpreter's objects to reach other code",
+    "import_module": "it imports a module by a computed name",
+    "spec_from_file_location": "it imports code from a file, which the notebook's source does not show",
+    "run_path": "it runs code from a file, which the notebook's source does not show",
+    "run_module": "it runs code from a module by a computed name",
+    "FunctionType": "it makes functions from code objects",
+    "CodeType": "it makes code objects",
 }
-_TAMPER_MODULES = {
-    "importlib", "inspect", "ctypes", "gc", "threading", "_thread", "multiprocessing", "concurrent", "subprocess",
-    "signal", "builtins", "IPython", "ipykernel", "marshal", "pickle", "dill", "cloudpickle", "code", "codeop",
-    "runpy", "pdb", "bdb", "trace", "socket", "atexit", "sysconfig", "torch._C", "torch.ops", "torch.overrides",
-    "torch.library", "torch.utils._python_dispatch", "torch._VF", "torch._ops", "torch._dynamo", "asyncio",
-    "types", "operator", "dis", "tracemalloc", "faulthandler", "sitecustomize", "usercustomize", "site",
-    "pkgutil", "zipimport", "imp", "torch.multiprocessing", "torch.utils.cpp_extension", "cffi",
+_REVIEW_PATHS = {
+    "sys.modules": "it reads or changes the table of imported modules (sys.modules)",
+    "sys.path": "it changes where modules are imported from (sys.path)",
+    "torch.compile": "a compiled function runs PyTorch's operators where the guard does not see them",
+    "torch.jit": "a scripted or traced function runs PyTorch's operators where the guard does not see them",
+    "torch.fx": "it rewrites functions into graphs the guard does not see",
+    "torch.export": "it rewrites functions into graphs the guard does not see",
+    "torch._dynamo": "it rewrites functions into graphs the guard does not see",
+    "pickle.loads": "unpickling can call any function, by names the source does not show",
+    "pickle.load": "unpickling can call any function, by names the source does not show",
+    "pickle.Unpickler": "unpickling can call any function, by names the source does not show",
+    "marshal": "it loads code objects",
+    "dill": "unpickling can call any function, by names the source does not show",
+    "cloudpickle": "unpickling can call any function, by names the source does not show",
+    "ctypes": "it calls native code directly",
+    "cffi": "it calls native code directly",
+    "importlib": "it imports modules by computed names",
+    "runpy": "it runs code the notebook's source does not show",
+    "code": "it runs code the notebook's source does not show",
+    "codeop": "it compiles code the notebook's source does not show",
+    "IPython.core": "it reaches into IPython, which runs the notebook's cells and the grader's server",
+    "ipykernel": "it reaches into the kernel, which runs the notebook's cells and the grader's server",
+    "threading.setprofile": "it replaces the interpreter's profiling hook, which the grader's guard uses",
+    "threading.settrace": "it replaces the interpreter's tracing hook",
 }
-_DISPLAY_MODULES = {"IPython.display", "IPython.core.display"}
-"""Showing results (``display``, ``clear_output``, ``Markdown``): fair to import; reaching IPython itself
-through them (``get_ipython``) is still found."""
-_PATH_MUTATORS = {"append", "insert", "extend", "remove", "pop", "clear", "__setitem__", "__iadd__"}
+REVIEW_LIST_SIZE = len(_REVIEW_NAMES) + len(_REVIEW_ATTRS) + len(_REVIEW_PATHS)
+"""How many constructs :func:`guard_switches` looks for (the closing note of issue 31 counts them)."""
+
+_GETATTRS = ("getattr", "setattr", "delattr")
 
 
-def _installed(name: str) -> bool:
-    """Whether the top-level module ``name`` is part of the environment (the standard library or an
-    installed package, gptlab included) rather than a file beside the notebook, which a cell can
-    write and then import: code the source scan never sees. Finds, never imports."""
-    if name in sys.builtin_module_names or name in getattr(sys, "stdlib_module_names", ()) or name == "gptlab":
-        return True
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    here = os.path.realpath(os.getcwd())
-    if spec.submodule_search_locations:  # a package: the folders that hold it
-        folders = [os.path.dirname(os.path.realpath(p)) for p in spec.submodule_search_locations]
-    elif spec.origin and spec.has_location:  # a module file: its folder
-        folders = [os.path.dirname(os.path.realpath(spec.origin))]
-    else:
-        return True  # builtin or frozen
-    return bool(folders) and here not in folders
-
-
-_WRITE_PATHS = ("shutil.copy", "shutil.copy2", "shutil.copyfile", "shutil.copytree", "shutil.move",
-                "shutil.unpack_archive", "os.rename", "os.replace", "os.link", "os.symlink", "os.write", "os.open",
-                "os.fdopen", "io.FileIO", "logging.FileHandler", "logging.basicConfig", "tempfile", "numpy.savetxt",
-                "numpy.save", "tarfile", "zipfile", "urllib.request.urlretrieve", "codecs.open")
-_WRITE_ATTRS = ("write_text", "write_bytes", "urlretrieve", "symlink_to", "hardlink_to", "extractall", "savetxt",
-                "FileHandler")
-
-
-def file_writes(program: Program) -> list[Finding]:
-    """Where the learner's cells may write a file: ``open`` with a mode that writes (or ``open``
-    passed around rather than called), ``Path.write_text``, ``shutil``, ``os.rename``, downloads,
-    logging to a file... A cell can write a module and import it (:func:`tampering`)."""
+def guard_switches(program: Program) -> list[Finding]:
+    """Where the learner's cells could switch the grader's runtime guard off, or reach a function
+    by a name their source does not show (see above): the notebook is then flagged for the
+    instructor's review. An empty list for an honest notebook: importing or calling an ordinary
+    module (``types``, ``operator``, ``gc``, ``pickle.dump``, ``inspect.signature``, ``functools``,
+    ``threading.Thread``, ``dataclasses``, ``itertools``) is not flagged."""
     found: list[Finding] = []
-    for cell in program.cells:
-        if not cell.learner:
-            continue
-        calls = {id(n.func): n for n in ast.walk(cell.tree) if isinstance(n, ast.Call)}
-        for node in ast.walk(cell.tree):
-            why = None
-            if isinstance(node, ast.Name) and node.id == "open" and node.id not in program.defs:
-                call = calls.get(id(node))
-                mode = None if call is None else (call.args[1] if len(call.args) > 1 else next(
-                    (k.value for k in call.keywords if k.arg == "mode"), ast.Constant("r")))
-                if call is None or not (isinstance(mode, ast.Constant) and isinstance(mode.value, str)
-                                        and not set(mode.value) & set("wax+")):
-                    why = "it writes a file"
-            elif isinstance(node, ast.Attribute) and node.attr in _WRITE_ATTRS:
-                why = "it writes a file"
-            elif isinstance(node, ast.Attribute | ast.Name) and any(
-                    p == w or p.startswith(w + ".") for p in _paths(node, program.aliases) for w in _WRITE_PATHS):
-                why = "it writes a file"
-            if why:
-                found.append(Finding(cell.number, getattr(node, "lineno", 1), program.code(cell, node), why))
-    return found
-
-
-def imported_modules(program: Program) -> set[str]:
-    """The dotted names the learner's cells import, and for ``from a.b import c`` also ``a.b.c``
-    (``c`` may be a module)."""
-    out: set[str] = set()
-    for cell in program.cells:
-        if cell.learner:
-            for node in ast.walk(cell.tree):
-                if isinstance(node, ast.Import):
-                    out |= {a.name for a in node.names}
-                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names if a.name != "*"}
-    return out
-
-
-def _module_files(name: str) -> list[str]:
-    """The files that ``import name`` (dotted) would run, found without importing anything: the
-    top-level module's file (a package's ``__init__.py``), then each submodule's beneath it."""
-    parts = name.split(".")
-    if parts[0] in sys.builtin_module_names:
-        return []
-    try:
-        spec = importlib.util.find_spec(parts[0])  # a top-level name: finds, never imports
-    except (ImportError, ValueError):
-        return []
-    if spec is None:
-        return []
-    files = [spec.origin] if spec.origin and spec.has_location else []
-    folders = list(spec.submodule_search_locations or [])
-    for part in parts[1:]:
-        found = [c for f in folders for c in (os.path.join(f, part + ".py"), os.path.join(f, part, "__init__.py"))
-                 if os.path.isfile(c)]
-        if not found:
-            break
-        files.append(found[0])
-        folders = [os.path.dirname(found[0])] if found[0].endswith("__init__.py") else []
-    return files
-
-
-def planted_modules(program: Program, folder: str | os.PathLike | None, since: float) -> list[str]:
-    """Modules the notebook imports that were written while it was graded: a file or folder of that
-    name in the kernel's ``folder`` (which held only the notebooks when the kernel started), or a
-    module file on the import path (a package's ``__init__.py``, a submodule's file) modified after
-    ``since`` (a time.time()). Folders' times are not read: importing a package writes its
-    ``__pycache__`` there."""
-    found = []
-    for dotted in sorted(imported_modules(program)):
-        name = dotted.split(".")[0]
-        if folder is not None:
-            base = os.path.join(os.fspath(folder), name)
-            if os.path.exists(base + ".py") or os.path.isdir(base) or any(
-                    f.startswith(name + ".") and f.endswith((".so", ".pyd", ".pyc"))
-                    for f in os.listdir(folder)):
-                found.append(f"{name} (written beside the notebook)")
-                continue
-        new = [f for f in _module_files(dotted) if os.path.getmtime(f) > since]
-        if new:
-            found.append(f"{dotted} (written to {new[0]} while the notebook was graded)")
-    return sorted(set(found))
-
-
-def tampering(program: Program) -> list[Finding]:
-    """Code anywhere in the learner's cells that can change how code runs or how results are
-    reported (see the module docstring). An empty list for an honest notebook."""
-    found: list[Finding] = []
-    writes = file_writes(program)
-    modules = {name for name, paths in program.aliases.items()
-               if any(p.split(".")[0] in ("torch", "gptlab", "numpy", "math", "sys", "os", "builtins") for p in paths)}
 
     def add(cell: _Cell, node: ast.AST, why: str) -> None:
         found.append(Finding(cell.number, getattr(node, "lineno", 1), program.code(cell, node), why))
 
+    def path_hit(paths: Iterable[str]) -> str | None:
+        for p in sorted(paths):
+            for prefix, why in _REVIEW_PATHS.items():
+                if p == prefix or p.startswith(prefix + "."):
+                    return why
+        return None
+
     for cell in program.cells:
         if not cell.learner:
             continue
-        called = {id(n.func) for n in ast.walk(cell.tree) if isinstance(n, ast.Call)}
+        constant_getattr = {id(n.func) for n in ast.walk(cell.tree) if isinstance(n, ast.Call)
+                            and isinstance(n.func, ast.Name) and n.func.id in _GETATTRS and len(n.args) >= 2
+                            and isinstance(n.args[1], ast.Constant) and isinstance(n.args[1].value, str)}
         for node in ast.walk(cell.tree):
+            why = None
             if isinstance(node, ast.Import | ast.ImportFrom):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if isinstance(node, ast.ImportFrom) and node.module:  # from torch.utils import cpp_extension
-                    names += [f"{node.module}.{a.name}" for a in node.names]
-                if isinstance(node, ast.ImportFrom) and node.module == "IPython" and \
-                        all(a.name == "display" for a in node.names):
-                    names = ["IPython.display"]
-                names = [n for n in names if not any(n == m or n.startswith(m + ".") for m in _DISPLAY_MODULES)]
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
                 if isinstance(node, ast.ImportFrom) and node.level:
-                    add(cell, node, "it imports a module from a file beside the notebook, whose code is not in "
-                                    "the notebook")
-                    continue
-                local = next((n for n in names if n and not _installed(n.split(".")[0])), None) if writes else None
-                if local:
-                    add(cell, node, f"it imports {local.split('.')[0]}, which is not an installed module, and the "
-                                    f"notebook writes files ({writes[0].code}): a module written from the notebook "
-                                    "runs code that is not in its source")
-                    continue
-                for n in names:
-                    if n in _TAMPER_MODULES or n.split(".")[0] in _TAMPER_MODULES or \
-                            any(n == m or n.startswith(m + ".") for m in _TAMPER_MODULES if "." in m) or \
-                            n.split(".")[-1] in _TAMPER_ATTRS:
-                        add(cell, node, f"it imports {n}, which can change how code runs")
-                        break
-            elif isinstance(node, ast.Name) and node.id in _TAMPER_NAMES and node.id not in program.defs:
-                add(cell, node, _TAMPER_NAMES[node.id])
+                    why = "it imports a module from a file beside the notebook, whose code is not in the notebook"
+                else:
+                    why = path_hit(names) or next((_REVIEW_ATTRS[n.split(".")[-1]] for n in names
+                                                   if n.split(".")[-1] in _REVIEW_ATTRS), None)
+            elif isinstance(node, ast.Name) and node.id not in program.defs:
+                if node.id in _REVIEW_NAMES:
+                    why = _REVIEW_NAMES[node.id]
+                elif node.id in _GETATTRS and id(node) not in constant_getattr:
+                    why = "it reads or writes attributes by computed names"
+                elif node.id in program.aliases:
+                    why = path_hit(program.aliases[node.id])
             elif isinstance(node, ast.Attribute):
-                if node.attr in _TAMPER_ATTRS:
-                    add(cell, node, _TAMPER_ATTRS[node.attr])
-                elif node.attr == "modules" and id(node) not in called:
-                    add(cell, node, "it reads or changes the table of imported modules (sys.modules)")
-                elif node.attr in _PATH_MUTATORS and "sys.path" in _paths(node.value, program.aliases):
-                    add(cell, node, "it changes where modules are imported from (sys.path)")
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                    node.func.id in ("getattr", "setattr", "delattr", "hasattr") and len(node.args) >= 2 and \
-                    not (isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)):
-                if node.func.id != "hasattr":
-                    add(cell, node, "it reads or writes attributes by computed names")
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                    node.func.id in ("setattr", "delattr") and node.args and isinstance(node.args[0], ast.Name) \
-                    and node.args[0].id in modules:
-                add(cell, node, "it changes a module other code uses")
-            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Delete):
-                targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else [node.target]
-                for t in targets:
-                    if isinstance(t, ast.Subscript) and "sys.path" in _paths(t.value, program.aliases):
-                        add(cell, node, "it changes where modules are imported from (sys.path)")
-                    chain = _chain(t) if isinstance(t, ast.Attribute) else None
-                    if chain and chain[0] in modules:
-                        add(cell, node, f"it changes {chain[0]}.{'.'.join(chain[1])}, which other code uses")
-            if isinstance(node, ast.ClassDef):
-                for base in node.bases:
-                    if any(p in ("torch.Tensor", "torch.nn.Parameter", "torch._C.TensorBase")
-                           for p in _paths(base, program.aliases)):
-                        add(cell, node, "a subclass of torch.Tensor can answer any comparison")
+                why = _REVIEW_ATTRS.get(node.attr) or path_hit(_paths(node, program.aliases))
+            elif isinstance(node, ast.ClassDef):
+                if any(p in ("torch.Tensor", "torch.nn.Parameter", "torch._C.TensorBase")
+                       for b in node.bases for p in _paths(b, program.aliases)):
+                    why = "a subclass of torch.Tensor can answer any comparison"
+            if why:
+                add(cell, node, why)
     unique: dict[tuple, Finding] = {}
     for f in found:
         unique.setdefault((f.cell, f.line, f.why), f)
