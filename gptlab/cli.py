@@ -386,6 +386,10 @@ def _bench_autograde_arguments(parser) -> None:
                         help="every k-th student hands in the blank release (0 = everyone hands in the solution)")
     parser.add_argument("--timeout", type=int, default=None, help="per-cell time limit (default: the course's)")
     parser.add_argument("--quick", action="store_true", help="smoke test: 4 students")
+    parser.add_argument("--sandbox-cost", type=int, default=0, metavar="N",
+                        help="grade one full submission N times with and N times without the sandbox (0: skip)")
+    parser.add_argument("--only-sandbox-cost", action="store_true",
+                        help="stop after the --sandbox-cost runs")
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
 
 
@@ -456,7 +460,7 @@ def _cmd_autograde(args) -> int:
     course = _course(args)
     assignments = course.assignments(args.assignments)
     results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
-                        progress=not args.quiet, sandbox=not args.no_sandbox)
+                        progress=not args.quiet, sandbox=not args.no_sandbox, force=args.force)
     for r in sorted(results, key=lambda r: (r["assignment"], r["student"])):
         notes = f"  ({len(r['notes'])} note(s))" if r["notes"] else ""
         print(f"{r['assignment']}  {r['student']}: {r['total']:g}{notes}")
@@ -468,6 +472,48 @@ def _cmd_autograde(args) -> int:
         for line in missing:
             print(f"  {line}")
     print(f"{len(results)} submission(s) graded into {course.gradebook_url}")
+    return 0
+
+
+def _cmd_grade_one(args) -> int:
+    from .course.grade_one import GradeOneError, grade_one
+
+    release = Path(args.release) if args.release else None
+    if release is None:
+        course = _course(args)
+        release = course.directory("release") / args.assignment
+    try:
+        result = grade_one(args.notebook, args.assignment, release, student=args.student, timeout=args.timeout,
+                           sandbox=not args.no_sandbox, notebook_out=args.notebook_out, timestamp=args.timestamp,
+                           out=args.out)
+    except GradeOneError as e:
+        print(f"python -m gptlab course grade-one: error: {e}", file=sys.stderr)
+        return 2
+    if result.get("error"):
+        print(f"python -m gptlab course grade-one: error: the grader failed: {result['error']}", file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print(f"{result['assignment']} {result.get('student') or ''}: {result['score']:g} / {result['max_score']:g} "
+              f"({result['seconds']:.1f} s) -> {args.out}")
+    return 0
+
+
+def _cmd_grade_worker(args) -> int:
+    from .course.grade_one import worker
+
+    return worker()
+
+
+def _cmd_import_results(args) -> int:
+    from .course.results import import_results
+
+    course = _course(args)
+    report = import_results(course, Path(args.folder), add_students=args.add_students)
+    for path, why in report.skipped:
+        print(f"skipped {path}: {why}")
+    for r in report.merged:
+        print(f"{r['assignment']}  {r['student']}: {r['total']:g}")
+    print(f"{len(report.merged)} result(s) merged into {course.gradebook_url}, {len(report.skipped)} skipped")
     return 0
 
 
@@ -540,6 +586,39 @@ def _course_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--no-sandbox", action="store_true",
                    help="run the learners' kernels WITHOUT the operating-system sandbox (only where none can start: "
                         "not Linux, no bubblewrap); every feedback page and the grades export say so")
+    a.add_argument("--force", action="store_true",
+                   help="grade again the submissions whose stored result is still valid (same notebook, "
+                        "assignment version, grader and sandbox setting); by default they are merged as they are")
+
+    o = step("grade-one", _cmd_grade_one,
+             help="grade ONE notebook, no gradebook: a result JSON (for a cluster job, Gradescope, xargs -P)",
+             description="Grade one submitted notebook in the sandbox, against the assignment's released notebook, "
+                         "with no gradebook, and write the result (per test cell: points, maximum, verdict, message, "
+                         "what the code printed, seconds). The exit status says whether grading worked (0), never "
+                         "whether the learner passed; 2: a bad input, 1: the grader failed (the result says why).")
+    o.add_argument("notebook", metavar="NOTEBOOK")
+    o.add_argument("--assignment", required=True, help="the assignment's name")
+    o.add_argument("--out", required=True, metavar="RESULT.json", help="where the result is written (atomically)")
+    o.add_argument("--release", default=None, metavar="PATH",
+                   help="the released notebook (or its folder); default: exercises/<assignment>/ of the course")
+    o.add_argument("--student", default=None, help="the student's id, recorded in the result (for import-results)")
+    o.add_argument("--timeout", type=int, default=None, help="time limit per cell in seconds (default 30)")
+    o.add_argument("--notebook-out", default=None, metavar="PATH", help="also write the graded notebook (feedback)")
+    o.add_argument("--timestamp", default=None, help="the submission's time (ISO 8601), recorded in the result")
+    o.add_argument("--no-sandbox", action="store_true", help="run the kernel WITHOUT the sandbox (said in the result)")
+
+    w = sub.add_parser("grade-worker", parents=[common], help=argparse.SUPPRESS)
+    w.set_defaults(func=_friendly(_cmd_grade_worker))
+
+    i = step("import-results", _cmd_import_results,
+             help="merge a folder of grade-one results into the gradebook",
+             description="Merge every grade-one result (*.json, searched recursively) in FOLDER into the gradebook, "
+                         "with the graded notebook beside it (RESULT.ipynb) for the feedback. Running it twice changes "
+                         "nothing; a result for an unknown student or assignment, or graded against another version of "
+                         "the assignment, is named and skipped.")
+    i.add_argument("folder", metavar="FOLDER")
+    i.add_argument("--add-students", action="store_true",
+                   help="add the students the gradebook and submitted/ do not know, instead of skipping them")
 
     step("feedback", _cmd_feedback, assignments=True, student=True,
          help="HTML feedback per student, with the autograder's notes",

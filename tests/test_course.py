@@ -367,7 +367,7 @@ def test_grades_csv(graded, tmp_path):
     for name in ASSIGNMENTS:
         a = Assignment(course, name)
         expect += [name] + [f"{name}/{gid}" for gid in a.points]
-    assert sorted(header[1:-1]) == sorted(expect[1:]) and header[0] == "student" and header[-1] == "total"
+    assert sorted(header[1:-2]) == sorted(expect[1:]) and header[0] == "student" and header[-2:] == ["total", "notes"]
     students = sorted({s for (_, s) in plan})
     assert [r[0] for r in body] == students
     for r in body:
@@ -382,6 +382,7 @@ def test_grades_csv(graded, tmp_path):
             assert float(values[name]) == pytest.approx(sum(cells))
             total += float(values[name])
         assert float(values["total"]) == pytest.approx(total)
+        assert values["notes"] == "", (r[0], values["notes"])  # nothing flagged, everything sandboxed
     solution = dict(zip(header, next(r for r in body if r[0] == "solution")))
     assert float(solution["total"]) == sum(sum(Assignment(course, n).points.values()) for n in ASSIGNMENTS)
 

@@ -347,6 +347,36 @@ def test_grades_csv_a_test_cell_without_a_score_is_empty(course, tmp_path):
                        "notebooks": {"alpha": {"grades": {"test_f": 2.0, "test_g": None}, "comments": {},
                                                "late_penalty": None}}})
     header, table = grades_table(c, ["alpha"])
-    assert header == ["student", "alpha", "alpha/test_f", "alpha/test_g", "total"]
-    assert table == [["ann", 2.0, 2.0, None, 2.0]]
+    assert header == ["student", "alpha", "alpha/test_f", "alpha/test_g", "total", "notes"]
+    assert table == [["ann", 2.0, 2.0, None, 2.0, None]]
+
+
+def test_grades_csv_names_what_needs_review_and_what_ran_without_the_sandbox(course, tmp_path):
+    """A test cell the autograder flagged keeps its score, needs a manual grade in the gradebook,
+    and is named in the last column, as is an assignment graded with --no-sandbox."""
+    import json
+
+    from nbgrader.api import Gradebook
+
+    ag._quiet_sqlalchemy()
+    c = Course(course)
+    ag._ensure_assignment(c, "alpha")
+    ag._ensure_assignment(c, "beta")
+    with Gradebook(c.gradebook_url) as gb:
+        ag._merge(gb, {"assignment": "alpha", "student": "ann", "notes": [], "failed": [],
+                       "review": {"alpha": {"test_f": ["cell 3, line 1: `sys.setprofile(None)`: ..."]}},
+                       "notebooks": {"alpha": {"grades": {"test_f": 2.0, "test_g": 1.0}, "comments": {},
+                                               "late_penalty": None}}})
+        ag._merge(gb, {"assignment": "beta", "student": "ann", "notes": [], "failed": [],
+                       "notebooks": {"beta": {"grades": {"test_f": 2.0, "test_g": 1.0}, "comments": {},
+                                              "late_penalty": None}}})
+        flagged = {g.name: g.needs_manual_grade for g in gb.find_submission_notebook("alpha", "alpha", "ann").grades}
+    assert flagged == {"test_f": True, "test_g": False}
+    path = c.notes_path("beta", "ann")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([{"notebook": None, "cell": None, "kind": "no_sandbox", "message": "..."}]))
+    header, table = grades_table(c, ["alpha", "beta"])
+    row = dict(zip(header, table[0]))
+    assert row["alpha/test_f"] == 2.0 and row["total"] == 6.0
+    assert row["notes"] == "needs review (score not final): alpha/test_f; graded without the sandbox: beta"
 

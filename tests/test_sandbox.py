@@ -204,6 +204,45 @@ def test_the_kernels_limits_hold_from_its_first_line(tmp_path):
     assert "MemoryError" in lines and "OSError" in lines and str(4 << 30) in lines, done.stdout
 
 
+@pytest.mark.skipif(not LINUX, reason="bubblewrap sandboxes only on Linux")
+def test_a_fork_bomb_stops_at_the_process_limit(tmp_path):
+    """The sandbox's processes are capped: by a pids cgroup where one can be made (root, whom
+    RLIMIT_NPROC does not stop), else by RLIMIT_NPROC (set as kernel_boot sets it)."""
+    if os.getuid() == 0 and "pids" not in sandbox._own_cgroups():
+        pytest.skip("root without a writable pids cgroup: RLIMIT_NPROC does not apply to root")
+    limits = sandbox.Limits(processes=48)
+    code = textwrap.dedent("""
+        import os, runpy, time
+        boot = __import__("gptlab.course.sandbox", fromlist=["x"])._boot_script()
+        runpy.run_path(boot, run_name="not_main")["_set_limits"](["NPROC=48"])
+        time.sleep(1.5)  # the cgroup is set up from outside meanwhile
+        n = 0
+        for _ in range(200):
+            try:
+                if os.fork() == 0:
+                    time.sleep(3)
+                    os._exit(0)
+                n += 1
+            except OSError:
+                break
+        print("forked", n)
+    """)
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    argv = sandbox.command([sys.executable, "-c", code], runtime=runtime, view=sandbox.package_view("causal_mask"),
+                           limits=limits)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    folders = sandbox.confine([proc.pid, *sandbox.inner_pids(proc.pid)], limits, f"gptlab-test-{os.getpid()}")
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        sandbox.release(folders)
+    forked = int(out.split()[-1])
+    assert forked < 48, (out, err[-500:])
+    assert all(not f.exists() for f in folders)
+
+
 VIEW_CHECK = r'''
 import importlib, inspect, json, sys
 out = {}

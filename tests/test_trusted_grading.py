@@ -389,14 +389,10 @@ def _attacks(r: _Release, course: Path, outside: Path, port: int, victim_db: Pat
             "        return int(f.read().rsplit(')', 1)[1].split()[1])\n"
             "p = os.getppid()\ng = parent(p) if p > 1 else 0\n"
             "for pid in (p, g):\n    try:\n        os.kill(pid, signal.SIGKILL)\n    except Exception as e:\n"
-            "        print('kill', pid, type(e).__name__)\n"
-            "for name in os.listdir('/proc'):\n"
-            "    if name.isdigit() and int(name) != os.getpid():\n"
-            "        try:\n            os.kill(int(name), signal.SIGKILL)\n        except Exception:\n            pass\n"
-            "try:\n    os.kill(-1, signal.SIGKILL)\nexcept Exception:\n    pass\n")
+            "        print('kill', pid, type(e).__name__)\n")
     secret = os.environ.get("GPTLAB_GRADING_SECRET") or str(Path.home() / ".config" / "gptlab" / "grading-secret")
     snoop = ("import os, time\n"
-             f"for target in [{str(course / 'source' / 'causal_mask' / 'causal_mask.ipynb')!r}, "
+             f"for target in [{str(course / 'solutions' / 'causal_mask' / 'causal_mask.ipynb')!r}, "
              f"{str(REPO / 'solutions' / 'causal_mask' / 'causal_mask.ipynb')!r}, "
              f"{str(course / 'submitted' / 'honest_types' / 'causal_mask' / 'causal_mask.ipynb')!r}, {secret!r}, {db!r}]:\n"
              "    try:\n        print(target, open(target, errors='replace').read()[:3000])\n"
@@ -433,7 +429,7 @@ def _attacks(r: _Release, course: Path, outside: Path, port: int, victim_db: Pat
         "atk_grader": (r.extra(r.release, grader), zero, "not written yet"),
         "atk_kill": (r.extra(r.release, kill), zero, "not written yet"),
         "atk_snoop": (r.extra(r.release, snoop), zero, "not written yet"),
-        "atk_delegate": (r.answer("causal_mask", delegate), CM_MASK_LOST, "not available while the autograder runs"),
+        "atk_delegate": (r.answer("causal_mask", delegate), CM_MASK_LOST, "gptlab.causal_mask"),
         "atk_child": (r.answer("causal_mask", child), CM_MASK_LOST, "causal_mask"),
         "atk_source": (r.answer("causal_mask", source_exec), CM_MASK_LOST, "not available while the autograder runs"),
         "atk_network": (r.extra(r.release, network), zero, "not written yet"),
@@ -505,7 +501,7 @@ def _causal_mask_submissions(r: _Release) -> dict[str, tuple[dict, dict, str]]:
                             "    t.start()\n    t.join()\n    return out[0]\n"), CM_MASK_LOST, "gptlab.causal_mask"),
         "exec_source": (r.answer("causal_mask", "import inspect\nimport gptlab\n"
                                  "exec(inspect.getsource(gptlab.masks.causal_mask))\n"), CM_MASK_LOST,
-                        "not available while the autograder runs"),
+                        "is not defined in your notebook"),
         "solution_file": (r.answer("causal_mask", solution_file), CM_MASK_LOST, "it reads a file"),
         "warns": (r.answer("causal_mask", "import sys\nimport warnings\n\ndef causal_mask(T):\n"
                            "    warnings.warn('just saying')\n    print('debug', file=sys.stderr)\n"
@@ -575,7 +571,7 @@ def autograded(tmp_path_factory):
 
     root = _course(tmp_path_factory.mktemp("trusted") / "course", ["causal_mask", "kv_cache"])
     marker_solution = f"INSTRUCTOR-ONLY-{os.getpid()}"
-    src = root / "source" / "causal_mask" / "causal_mask.ipynb"
+    src = root / "solutions" / "causal_mask" / "causal_mask.ipynb"
     nb = json.loads(src.read_text())
     cell = next(c for c in nb["cells"] if c["metadata"].get("nbgrader", {}).get("grade_id") == "solution_causal_mask")
     cell["source"] = "".join(cell["source"]) + f"\n# {marker_solution}\n"

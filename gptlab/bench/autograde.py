@@ -13,6 +13,10 @@ In a throw-away copy of the course (``nbgrader_config.py`` + ``solutions/``, rel
 * ``runs``: every run above as one record: students, assignments, submissions, workers, seconds,
   seconds per submission, speed-up over the first worker count, the CPU seconds it used (this
   process and its finished descendants: workers, kernels), the load averages before and after;
+* ``sandbox_cost`` (``--sandbox-cost N``): one full submission of every assignment graded N times
+  with the operating-system sandbox (:mod:`gptlab.course.sandbox`) and N times without it
+  (``--no-sandbox``), alternated so that a drift of the machine hits both; the medians, their
+  spread and their ratio (target: the sandbox costs at most 10%);
 * ``test_cells``: for every graded test cell, the longest time its trusted verdict took over all
   those runs (the grader's checks and the learner's calls they make, recorded by the autograder
   in the cell's ``gptlab.verdict.seconds``). A test cell must give its verdict in under 5 s on
@@ -194,6 +198,38 @@ def _class_runs(args, course_dir: Path, assignments: list[str], n_students: int,
     return None
 
 
+def _sandbox_cost(course, assignments: list[str], repeats: int, timeout: int | None, fig: dict) -> bool:
+    """One full submission (the solutions, one worker) graded ``repeats`` times with and without the
+    sandbox, alternated; the figures into ``fig["sandbox_cost"]``. False where the scores differ."""
+    import statistics
+
+    _submit(course.root, assignments, ["one"], 0)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    scores: dict[bool, list] = {}
+    for k in range(repeats):
+        for sandbox in ((True, False) if k % 2 == 0 else (False, True)):
+            _fresh_gradebook(course.root)
+            t0 = time.perf_counter()
+            res = autograde(course, assignments, workers=1, timeout=timeout, progress=False, sandbox=sandbox)
+            times[sandbox].append(time.perf_counter() - t0)
+            got = sorted((r["assignment"], r["total"]) for r in res)
+            if scores.setdefault(sandbox, got) != got or scores.get(not sandbox, got) != got:
+                print("gptlab bench autograde: error: the sandbox changed the scores: "
+                      f"{scores.get(True)} against {scores.get(False)}")
+                return False
+            print(f"one full submission, {'with' if sandbox else 'without'} the sandbox: {times[sandbox][-1]:.1f} s")
+    med = {m: statistics.median(v) for m, v in times.items()}
+    fig["sandbox_cost"] = {"repeats": repeats, "with_s": times[True], "without_s": times[False],
+                           "median_with_s": med[True], "median_without_s": med[False],
+                           "spread_with_s": max(times[True]) - min(times[True]),
+                           "spread_without_s": max(times[False]) - min(times[False]),
+                           "ratio": med[True] / med[False]}
+    print(f"sandbox cost on one full submission ({len(assignments)} assignments, 1 worker, median of {repeats}): "
+          f"{med[True]:.1f} s with, {med[False]:.1f} s without: {med[True] / med[False]:.3f}x "
+          f"(spread {fig['sandbox_cost']['spread_with_s']:.1f} s and {fig['sandbox_cost']['spread_without_s']:.1f} s)")
+    return True
+
+
 def _report_test_cells(fig: dict, cells: dict[str, float], src: Path) -> None:
     """The longest verdict of each test cell into ``fig``, and printed (with the declared limits)."""
     fig["test_cells_max_s"] = dict(sorted(cells.items()))
@@ -242,6 +278,14 @@ def run(args) -> int:
         def timed(names: list[str], students: list[str], label: str):
             return _timed(course, names, students, label, worker_counts, args.timeout, fig, cells)
 
+        if getattr(args, "sandbox_cost", 0):
+            if not _sandbox_cost(course, assignments, args.sandbox_cost, args.timeout, fig):
+                return 1
+            if getattr(args, "only_sandbox_cost", False):
+                if args.json:
+                    atomic_write_text(Path(args.json), json.dumps(fig, indent=2) + "\n")
+                    print(f"wrote {args.json}")
+                return 0
         if not _one_submission(course_dir, assignments, worker_counts, timed, fig):
             return 1
         status = _class_runs(args, course_dir, assignments, n_students, worker_counts, timed, fig)

@@ -158,7 +158,9 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
     cell in the CSV) where there is no score: an assignment the student never submitted or that
     was not graded yet, and its test cells (a test cell without a score in a graded submission
     too). A real 0 stays 0. An assignment's total and the overall total add up what was graded
-    (``None`` when nothing was).
+    (``None`` when nothing was). The last column, ``notes``, names the test cells flagged for the
+    instructor's review (their score is not final until a manual score is given) and the
+    assignments graded without the sandbox (``course autograde --no-sandbox``); ``None`` otherwise.
     """
     from nbgrader.api import Gradebook, MissingEntry
 
@@ -179,11 +181,13 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
         header = ["student"]
         for name, cells in layout:
             header += [name] + [col for _, _, col in cells]
-        header.append("total")
+        header += ["total", "notes"]
         rows = []
         for student in sorted(s.id for s in gb.students):
             row: list = [student]
             graded: list[float] = []
+            review: list[str] = []
+            unsandboxed: list[str] = []
             for name, cells in layout:
                 scores: dict[tuple[str, str], float | None] = {}
                 try:
@@ -193,13 +197,23 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
                             # nbgrader's score is 0 when there is none: not graded yet is no score
                             none = g.auto_score is None and g.manual_score is None
                             scores[(snb.name, g.name)] = None if none else float(g.score or 0.0)
+                            if g.needs_manual_grade and g.manual_score is None and g.auto_score is not None:
+                                review.append(f"{name}/{g.name}")
                 except MissingEntry:
                     pass
+                if any(n.get("kind") == "no_sandbox" for n in course.read_notes(name, student)):
+                    unsandboxed.append(name)
                 values = [scores.get((nb, gid)) for nb, gid, _ in cells]
                 got = [v for v in values if v is not None]
                 row += [sum(got) if got else None] + values
                 graded += got
             row.append(sum(graded) if graded else None)
+            notes = []
+            if review:
+                notes.append("needs review (score not final): " + ", ".join(review))
+            if unsandboxed:
+                notes.append("graded without the sandbox: " + ", ".join(unsandboxed))
+            row.append("; ".join(notes) or None)
             rows.append(row)
     return header, rows
 

@@ -1,53 +1,48 @@
-"""``course autograde``: students graded in parallel workers, one consistent SQLite gradebook.
+"""``course autograde``: every submission a grade-one job, run by a plain pool, merged into one gradebook.
 
 How it works, once for the whole run:
 
-1. The main gradebook gets every assignment of the run (nbgrader ``generate_assignment`` into a
-   scratch release folder, if it is not there yet), then one read-only snapshot of it is taken.
-2. Each (student, assignment) submission is one job for ONE pool of ``--workers`` processes that
-   lasts the whole run (a process costs seconds to start: ``import torch``, nbgrader), started
-   while step 1 runs; the longest assignments go first (the time limits their cells declare), so
-   no worker is left alone with a long job at the end; each process gets its share of the cores
-   for PyTorch. One worker grades in the main process. A job works in its own scratch folder, on
-   its own copy of the snapshot gradebook, so no two processes ever write the same SQLite file:
-
-   * *check*: each submitted notebook is read; one that is not valid JSON or not a notebook is
-     left out (nbgrader then gives it 0) and noted. Locked cells (the test cells) that were
-     deleted are put back from the gradebook, edited ones are noted (nbgrader runs the released
-     version, hidden tests included), nbgrader metadata the learner changed is restored, and the
-     ``gptlab`` time-limit metadata is taken from the instructor's notebook.
-   * *grade*: nbgrader's ``Autograde`` runs each notebook (``GptlabExecute``: per-cell time
-     limits, kernel restarts), writing ``autograded/<student>/<assignment>/``.
-   * *report*: the scores are read back from the job's gradebook, and the timeouts and kernel
-     deaths found in the autograded notebook become notes.
-
-3. The main process alone writes each job's scores into the main gradebook (one grade per test
-   cell), as the jobs finish, and the notes to ``autograded/.gptlab/<assignment>/<student>.json``;
-   ``feedback`` puts them in the student's HTML. A job that fails as a whole gives that student 0
-   and a note; a worker process that dies costs only the job it was running (retried once, alone).
-4. :func:`missing_summary`: the students with no submission of an assignment, and the graded
-   ones with a notebook missing (``course autograde`` prints it at the end).
+1. The run takes the course's lock (``.gptlab-autograde.lock``): a second ``course autograde`` on
+   the same course refuses with one line naming the first, instead of grading beside it.
+2. Each assignment is in the gradebook, and its released notebooks are the gradebook's version
+   (``exercises/<a>/``, or a fresh ``generate_assignment`` into a scratch folder when they differ).
+3. Each (student, assignment) submission is copied to a scratch folder (only the assignment's
+   notebooks: a learner's ``helper.py`` or ``torch.py`` is left out, and noted), and each notebook
+   is one job for :func:`gptlab.course.grade_one.grade_one`, the same code path that grades a
+   notebook on a cluster or on Gradescope. The jobs run in a plain pool of ``--workers`` worker
+   processes (``python -m gptlab course grade-worker``, each its share of the cores, importing torch
+   and nbgrader once for all its jobs); the longest assignments first. A worker that dies costs
+   its job one retry on a fresh worker, then that job scores 0 with a note; a worker dies with the
+   run (``kill -9`` included), and so do its kernels' sandboxes.
+4. Each job's result (``autograded/.gptlab/results/<a>/<student>/<nb>.json``) is merged into the
+   gradebook by this process alone, as the jobs finish, with :func:`gptlab.course.results.merge_result`
+   (what ``course import-results`` does): the scores, the review flags, the notes (shown by
+   ``feedback``), the graded notebook in ``autograded/<student>/<a>/``.
+5. A result that is still valid (the same submission, assignment version, grader and sandbox setting)
+   is merged again instead of graded again: a run that was killed is finished by the next one
+   (``force=True`` grades everything again).
+6. :func:`missing_summary`: the students with no submission of an assignment, and the graded ones
+   with a notebook missing (``course autograde`` prints it at the end).
 """
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures as cf
+import functools
+import hashlib
 import json
-import multiprocessing
 import os
 import queue
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from ..files import atomic_write_text as atomic_write
-from ._common import Course, CourseError, run_converter
+from ._common import NOTES_DIR, Course, CourseError, run_converter
 
-__all__ = ["autograde", "check_notebook", "grade_student", "missing_summary"]
+__all__ = ["autograde", "check_notebook", "missing_summary", "WorkerPool"]
 
 
 # --------------------------------------------------------------------------- the reference cells
@@ -313,137 +308,107 @@ def _quiet_sqlalchemy() -> None:
     warnings.filterwarnings("ignore", category=SAWarning)
 
 
-def _stage_notebooks(course: Course, assignment: str, staged: Path, notebooks: list[str], references: dict,
-                     result: dict) -> None:
-    """Make the staged submission gradable: files other than the notebooks removed, each notebook
-    checked and repaired (:func:`check_notebook`); one missing or unreadable goes to ``failed``."""
-    import nbformat
-
-    notes = result["notes"]
-    extra = _keep_only_notebooks(staged, notebooks)
-    if extra:
-        notes.append({"notebook": None, "cell": None, "kind": "ignored_files",
-                      "message": f"not graded and not present while grading: {', '.join(extra)} (only the "
-                                 "assignment's notebooks are; code in other files would not be in the notebook)."})
-    for nb_name in notebooks:
-        path = staged / f"{nb_name}.ipynb"
-        if not path.is_file():
-            notes.append({"notebook": nb_name, "cell": None, "kind": "missing",
-                          "message": f"{nb_name}.ipynb was not submitted: every test in it scored 0."})
-            result["failed"].append(nb_name)
-            continue
-        order, meta = _source_order_and_meta(course, assignment, nb_name)
-        nb, found = check_notebook(path, references[nb_name], order, meta, nb_name)
-        notes.extend(found)
-        if nb is None:
-            path.unlink()
-            result["failed"].append(nb_name)
-            continue
-        nbformat.write(nb, path)
 
 
-def _run_autograde(cfg, student: str, notebooks: list[str], autograded: Path, result: dict) -> None:
-    """nbgrader's Autograde on each notebook not failed yet: the runner's notes and the cell times
-    into ``result``; a notebook it cannot grade goes to ``failed``, with the log's tail."""
-    from nbgrader.converters import Autograde
-    from nbgrader.coursedir import CourseDirectory
+@functools.lru_cache(maxsize=1)
+def grader_digest() -> str:
+    """A sha256 of the grading code (every ``.py`` of the installed gptlab): a stored result is
+    reused only when the code that would grade it again is the same."""
+    import gptlab
 
-    assignment, notes = result["assignment"], result["notes"]
-    for nb_name in notebooks:
-        if nb_name in result["failed"]:
-            continue
-        coursedir = CourseDirectory(config=cfg)
-        coursedir.assignment_id, coursedir.student_id, coursedir.notebook_id = assignment, student, nb_name
-        ok, log = run_converter(Autograde, coursedir, cfg, force=True, create_student=True)
-        out = autograded / f"{nb_name}.ipynb"
-        if not ok or not out.is_file():
-            last = [line for line in log.strip().splitlines() if line.strip()][-1:] or ["unknown error"]
-            notes.append({"notebook": nb_name, "cell": None, "kind": "grader_error",
-                          "message": f"the autograder could not run {nb_name}.ipynb ({last[0][:300]}): every test "
-                                     "in it scored 0."})
-            result["failed"].append(nb_name)
-            result["log"] += log[-4000:]
-            continue
-        notes.extend(_events(out, nb_name))
-        result["times"][nb_name] = _cell_times(out)
-        flagged = _reviews(out)
-        if flagged:
-            result.setdefault("review", {})[nb_name] = flagged
-            for gid, why in flagged.items():
-                notes.append({"notebook": nb_name, "cell": gid, "kind": "review", "message": (
-                    f"{gid} is flagged for the instructor's review (its score is not final): the notebook holds "
-                    f"code that could switch off the grader's check of which functions the answer calls: "
-                    f"{'; '.join(why[:3])}")})
+    root = Path(gptlab.__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
 
 
-def _read_scores(db_url: str, result: dict) -> None:
-    """The scores, comments and late penalties of the graded notebooks, read back from the job's
-    gradebook into ``result`` (with the submission's timestamp)."""
-    from nbgrader.api import Gradebook
+# --------------------------------------------------------------------------- the pool of workers
 
-    with Gradebook(db_url) as gb:
+
+class WorkerPool:
+    """``size`` worker processes (``python -m gptlab course grade-worker``), one thread of this
+    process feeding each: :meth:`run` yields ``(job, answer)`` as the jobs end. A worker that dies
+    mid-job is replaced and the job tried once more on the new one; a second death is the job's
+    answer (``{"ok": False, "died": True}``). Workers end with the pool, or with this process."""
+
+    def __init__(self, size: int, threads: int, log: Path | None = None):
+        self.size, self.threads, self.log = size, threads, log
+
+    def _start(self) -> subprocess.Popen | None:
+        env = dict(os.environ)
+        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # the worker's share of the cores, unless set
+            env.setdefault(var, str(self.threads))
+        err = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
         try:
-            sub = gb.find_submission(result["assignment"], result["student"])
-        except Exception:  # noqa: BLE001 (MissingEntry: nothing could be graded)
-            sub = None
-        if sub is not None:
-            result["timestamp"] = sub.timestamp.isoformat() if sub.timestamp else None
-            for snb in sub.notebooks:
-                if snb.name in result["failed"]:
-                    continue
-                result["notebooks"][snb.name] = {
-                    "grades": {g.name: g.auto_score for g in snb.grades},
-                    "comments": {c.name: c.auto_comment for c in snb.comments},
-                    "late_penalty": snb.late_submission_penalty,
-                }
+            proc = subprocess.Popen([sys.executable, "-m", "gptlab", "course", "grade-worker"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1)
+        finally:
+            if err is not subprocess.DEVNULL:
+                err.close()
+        line = proc.stdout.readline()
+        if not line.startswith('{"ready"'):
+            proc.kill()
+            proc.wait()
+            return None
+        return proc
+
+    def run(self, jobs: list[dict]):
+        todo: queue.Queue = queue.Queue()
+        for job in jobs:
+            todo.put(job)
+        out: queue.Queue = queue.Queue()
+        threads = [threading.Thread(target=self._serve, args=(todo, out), daemon=True)
+                   for _ in range(min(self.size, len(jobs)))]
+        for t in threads:
+            t.start()
+        for _ in range(len(jobs)):
+            yield out.get()
+        for t in threads:
+            t.join(60)
+
+    def _serve(self, todo: queue.Queue, out: queue.Queue) -> None:
+        proc = None
+        try:
+            while True:
+                try:
+                    job = todo.get_nowait()
+                except queue.Empty:
+                    return
+                for attempt in (1, 2):
+                    if proc is None or proc.poll() is not None:
+                        proc = self._start()
+                    if proc is None:
+                        out.put((job, {"ok": False, "error": "a grading process could not start", "died": True}))
+                        break
+                    try:
+                        proc.stdin.write(json.dumps(job) + "\n")
+                        proc.stdin.flush()
+                        line = proc.stdout.readline()
+                    except (BrokenPipeError, OSError, ValueError):
+                        line = ""
+                    if line:
+                        try:
+                            out.put((job, json.loads(line)))
+                        except json.JSONDecodeError:
+                            out.put((job, {"ok": False, "error": f"a grading process answered {line[:100]!r}"}))
+                        break
+                    proc.wait()
+                    proc = None  # it died: a fresh one, and the job once more
+                    if attempt == 2:
+                        out.put((job, {"ok": False, "error": "the grading process died", "died": True}))
+        finally:
+            if proc is not None:
+                try:
+                    proc.stdin.close()
+                    proc.wait(timeout=30)
+                except Exception:  # noqa: BLE001
+                    proc.kill()
+                    proc.wait()
 
 
-def grade_student(job: dict) -> dict:
-    """Autograde one student's submission of one assignment (runs in a worker process).
-
-    ``job``: course root, db_url of the main gradebook (for the config), snapshot path, scratch
-    folder, assignment, student, per-cell timeout or None. Returns the scores read back from the
-    job's own gradebook, notes, per-cell times and the log of any failure.
-    """
-    from nbgrader.api import Gradebook
-
-    _quiet_sqlalchemy()
-    t0 = time.perf_counter()
-    course = Course(job["root"], job["db_url"])
-    assignment, student = job["assignment"], job["student"]
-    scratch = Path(tempfile.mkdtemp(prefix=f"{student}-", dir=job["scratch"]))
-    db = scratch / "gradebook.db"
-    shutil.copyfile(job["snapshot"], db)
-    db_url = f"sqlite:///{db}"
-    submitted = course.directory("submitted") / student / assignment
-    staged = scratch / "submitted" / student / assignment
-    shutil.copytree(submitted, staged, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
-    autograded = course.directory("autograded") / student / assignment
-    if autograded.exists():
-        shutil.rmtree(autograded)
-
-    notes: list[dict] = []
-    result = {"assignment": assignment, "student": student, "notebooks": {}, "notes": notes, "times": {},
-              "failed": [], "log": ""}
-    with Gradebook(db_url) as gb:
-        notebooks = [nb.name for nb in gb.find_assignment(assignment).notebooks]
-        references = {nb: _reference(gb, assignment, nb) for nb in notebooks}
-    _stage_notebooks(course, assignment, staged, notebooks, references, result)
-
-    overrides = {"CourseDirectory.db_url": db_url, "CourseDirectory.submitted_directory": str(scratch / "submitted"),
-                 "GptlabExecute.sandbox": bool(job.get("sandbox", True))}
-    if not job.get("sandbox", True):
-        notes.append({"notebook": None, "cell": None, "kind": "no_sandbox", "message": (
-            "graded WITHOUT the autograder's sandbox (course autograde --no-sandbox): the notebook ran as the "
-            "instructor, with the instructor's files, processes and network.")})
-    if job.get("timeout"):
-        overrides["Execute.timeout"] = int(job["timeout"])
-    cfg = course.config(**overrides)
-    _run_autograde(cfg, student, notebooks, autograded, result)
-    _read_scores(db_url, result)
-    result["seconds"] = time.perf_counter() - t0
-    shutil.rmtree(scratch, ignore_errors=True)
-    return result
+# --------------------------------------------------------------------------- the main process
 
 
 _NBGRADER_FILES = {"timestamp.txt"}
@@ -469,8 +434,6 @@ def _keep_only_notebooks(folder: Path, notebooks: list[str]) -> list[str]:
     return removed
 
 
-# --------------------------------------------------------------------------- the main process
-
 
 def _ensure_assignment(course: Course, assignment: str) -> None:
     """Put the assignment in the main gradebook (nbgrader generate_assignment into a scratch folder)."""
@@ -495,34 +458,6 @@ def _ensure_assignment(course: Course, assignment: str) -> None:
         raise CourseError(f"nbgrader generate_assignment {assignment} failed:\n{log[-3000:]}")
 
 
-def _merge(gb, result: dict) -> float:
-    """Write one job's scores into the main gradebook (this process only). Returns the total."""
-    from datetime import datetime
-
-    assignment, student = result["assignment"], result["student"]
-    gb.update_or_create_student(student)
-    kwargs = {}
-    if result.get("timestamp"):
-        kwargs["timestamp"] = datetime.fromisoformat(result["timestamp"])
-    sub = gb.update_or_create_submission(assignment, student, **kwargs)
-    total = 0.0
-    flagged = result.get("review") or {}
-    for snb in sub.notebooks:
-        got = result["notebooks"].get(snb.name)
-        for grade in snb.grades:
-            auto = got["grades"].get(grade.name) if got else 0.0
-            grade.auto_score = auto if auto is not None else (0.0 if not got else None)
-            review = grade.name in flagged.get(snb.name, {})
-            grade.needs_manual_grade = grade.manual_score is not None or grade.auto_score is None or review
-        for comment in snb.comments:
-            comment.auto_comment = got["comments"].get(comment.name) if got else None
-        snb.late_submission_penalty = got["late_penalty"] if got else None
-    gb.db.commit()
-    for snb in sub.notebooks:
-        total += sum(g.score or 0.0 for g in snb.grades)
-    return total
-
-
 def submitted_students(course: Course, assignment: str) -> list[str]:
     folder = course.directory("submitted")
     if not folder.is_dir():
@@ -541,23 +476,114 @@ def _weight(course: Course, assignment: str) -> float:
     return total
 
 
+
+
+def _releases(course: Course, assignment: str, scratch: Path) -> dict[str, Path]:
+    """notebook -> the released notebook that matches the gradebook's version of it: the course's
+    ``exercises/<assignment>/`` when it does, else a fresh ``generate_assignment`` into ``scratch``."""
+    import nbformat
+    from nbgrader.api import Gradebook
+    from nbgrader.converters import GenerateAssignment
+    from nbgrader.coursedir import CourseDirectory
+
+    from .grade_one import _release_version, release_reference
+    from .results import gradebook_version
+
+    def versions() -> dict[str, str | None]:
+        with Gradebook(course.gradebook_url) as gb:
+            return {nb.name: gradebook_version(gb, assignment, nb.name) for nb in gb.find_assignment(assignment).notebooks}
+
+    def matching(folder: Path, want: dict) -> dict[str, Path]:
+        out = {}
+        for nb, version in want.items():
+            path = folder / f"{nb}.ipynb"
+            try:
+                if path.is_file() and _release_version(release_reference(nbformat.read(path, as_version=4))[0]) == version:
+                    out[nb] = path
+            except Exception:  # noqa: BLE001 - an unreadable release is regenerated
+                pass
+        return out
+
+    want = versions()
+    found = matching(course.directory("release") / assignment, want)
+    if len(found) == len(want):
+        return found
+    folder = scratch / "release"
+    cfg = course.config(**{"CourseDirectory.release_directory": str(folder)})
+    coursedir = CourseDirectory(config=cfg)
+    coursedir.assignment_id = assignment
+    ok, log = run_converter(GenerateAssignment, coursedir, cfg, force=True, create_assignment=True)
+    if not ok:
+        raise CourseError(f"nbgrader generate_assignment {assignment} failed:\n{log[-3000:]}")
+    want = versions()
+    found = matching(folder / assignment, want)
+    if len(found) != len(want):
+        raise CourseError(f"the released notebooks of {assignment} do not match the gradebook's")
+    return found
+
+
+def _blank_result(assignment: str, student: str, nb: str, release: Path, why: str, kind: str) -> dict:
+    """A result that scores every test cell of ``nb`` 0, with a note (a missing or unreadable
+    notebook, a grading process that died)."""
+    import gptlab
+    import nbformat
+
+    from .grade_one import FORMAT, _release_version, release_reference
+
+    reference = release_reference(nbformat.read(release, as_version=4))[0]
+    cells = {g: {"points": 0.0, "max_points": r["points"], "kind": kind, "message": why, "printed": "",
+                 "seconds": None, "review": []} for g, r in reference.items() if r["grade"]}
+    return {"format": FORMAT, "assignment": assignment, "notebook": nb, "student": student,
+            "assignment_version": _release_version(reference), "gptlab_version": gptlab.__version__,
+            "cells": cells, "comments": {}, "score": 0.0, "error": None, "seconds": 0.0,
+            "notes": [{"notebook": nb, "cell": None, "kind": kind, "message": why}]}
+
+
+def _reusable(path: Path, submission: Path, sandbox: bool, version: str) -> dict | None:
+    """A stored result still valid for this submission (same notebook bytes, assignment version,
+    grading code and sandbox setting), or None."""
+    from .grade_one import _sha256
+    from .results import read_result
+
+    try:
+        old = read_result(path)
+    except ValueError:
+        return None
+    same = (old.get("submission_sha256") == _sha256(submission) and old.get("assignment_version") == version
+            and old.get("grader_sha256") == grader_digest() and bool(old.get("sandbox")) == sandbox
+            and not old.get("error"))
+    return old if same else None
+
+
 def autograde(course: Course, assignments: list[str], students: list[str] | None = None, workers: int = 1,
-              timeout: int | None = None, progress: bool = True, sandbox: bool = True) -> list[dict]:
+              timeout: int | None = None, progress: bool = True, sandbox: bool = True,
+              force: bool = False) -> list[dict]:
     """Autograde every (or the named) student's submission of each assignment; see the module doc.
 
     Every kernel runs in the operating-system sandbox (:mod:`gptlab.course.sandbox`); where none
     can start, a :class:`CourseError` says why and how to fix it, unless ``sandbox=False`` (the
-    instructor's ``--no-sandbox``), which every result's notes then record.
+    instructor's ``--no-sandbox``), which every result's notes then record. ``force``: grade again
+    the submissions whose stored result is still valid.
 
     Returns one result per (assignment, student), in the order of ``assignments`` then students:
-    scores, notes, cell times, total.
+    ``notebooks`` (per notebook its ``grades``, ``comments``), ``notes``, ``times`` (per notebook,
+    per graded cell, seconds), ``review``, ``seconds``, ``total``.
     """
     from nbgrader.api import Gradebook
     from tqdm.auto import tqdm
 
+    from ..files import LockError, lock_folder
+    from .grade_one import _release_version, release_reference
+    from .results import merge_result, read_result
+
     _quiet_sqlalchemy()
     if workers < 1:
         raise CourseError(f"--workers must be at least 1, got {workers}")
+    if timeout is not None and timeout <= 0:
+        raise CourseError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if timeout is None:  # the course's own limit (nbgrader_config.py's Execute.timeout)
+        configured = course.config().Execute.get("timeout")
+        timeout = int(configured) if isinstance(configured, int | float) and configured > 0 else None
     if sandbox:
         from .sandbox import REFUSAL, unavailable
 
@@ -580,40 +606,127 @@ def autograde(course: Course, assignments: list[str], students: list[str] | None
         return []
     if not course.gradebook_url.startswith("sqlite:///"):
         raise CourseError(f"course autograde needs a SQLite gradebook (sqlite:///PATH), got {course.gradebook_url}")
+    try:
+        lock = lock_folder(course.root, ".gptlab-autograde.lock", purpose="course autograde")
+    except LockError as e:
+        raise CourseError(str(e)) from None
     rank = {a: k for k, a in enumerate(assignments)}
     weight = {a: _weight(course, a) for a, _ in plan}
-    results = []
-    with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch:
-        snapshot = Path(scratch) / "snapshot.db"
-
-        def prepare() -> None:
-            # every assignment in the main gradebook, then one snapshot for every job of the run
-            for assignment, _ in plan:
+    autograded = course.directory("autograded")
+    store = autograded / NOTES_DIR / "results"
+    results: dict[tuple[str, str], dict] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="gptlab-autograde-") as scratch_dir:
+            scratch = Path(scratch_dir)
+            jobs, ready = [], []
+            for assignment, who in plan:
                 _ensure_assignment(course, assignment)
-            shutil.copyfile(course.gradebook_url[len("sqlite:///"):], snapshot)
+                releases = _releases(course, assignment, scratch / assignment)
+                versions = {nb: _release_version(release_reference(_read(path))[0]) for nb, path in releases.items()}
+                for student in who:
+                    res = {"assignment": assignment, "student": student, "notebooks": {}, "notes": [], "times": {},
+                           "review": {}, "seconds": 0.0, "failed": []}
+                    results[(assignment, student)] = res
+                    if not sandbox:
+                        res["notes"].append({"notebook": None, "cell": None, "kind": "no_sandbox", "message": (
+                            "graded WITHOUT the autograder's sandbox (course autograde --no-sandbox): the notebook ran "
+                            "as the instructor, with the instructor's files, processes and network.")})
+                    staged = scratch / "submitted" / student / assignment
+                    shutil.copytree(course.directory("submitted") / student / assignment, staged, symlinks=True,
+                                    ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+                    extra = _keep_only_notebooks(staged, list(releases))
+                    if extra:
+                        res["notes"].append({"notebook": None, "cell": None, "kind": "ignored_files", "message": (
+                            f"not graded and not present while grading: {', '.join(extra)} (only the assignment's "
+                            "notebooks are; code in other files would not be in the notebook).")})
+                    stamp = staged / "timestamp.txt"
+                    timestamp = _timestamp(stamp)
+                    for nb, release in releases.items():
+                        submission = staged / f"{nb}.ipynb"
+                        out = store / assignment / student / f"{nb}.json"
+                        graded_nb = autograded / student / assignment / f"{nb}.ipynb"
+                        if not submission.is_file():
+                            res["failed"].append(nb)
+                            ready.append(_blank_result(assignment, student, nb, release, (
+                                f"{nb}.ipynb was not submitted: every test in it scored 0."), "missing"))
+                            continue
+                        old = None if force else _reusable(out, submission, sandbox, versions[nb])
+                        if old is not None and graded_nb.is_file():
+                            ready.append(old)
+                            continue
+                        jobs.append({"id": len(jobs), "notebook": str(submission), "assignment": assignment,
+                                     "release": str(release), "student": student, "timeout": timeout,
+                                     "sandbox": sandbox, "notebook_out": str(graded_nb), "timestamp": timestamp,
+                                     "out": str(out)})
+            jobs.sort(key=lambda j: (-weight[j["assignment"]], rank[j["assignment"]], j["student"]))
+            total_jobs = len(jobs) + len(ready)
+            bar = tqdm(total=total_jobs, desc="autograde", unit="notebook", disable=not progress or None)
+            threads = max(1, (os.cpu_count() or 1) // min(workers, max(1, len(jobs))))
+            pool = WorkerPool(min(workers, max(1, len(jobs))), threads, log=scratch / "workers.log")
+            with Gradebook(course.gradebook_url) as gb:
+                def merge(result: dict) -> None:
+                    res = results[(result["assignment"], result["student"])]
+                    nb = result["notebook"]
+                    res["notebooks"][nb] = {"grades": {g: c.get("points") for g, c in result["cells"].items()},
+                                            "comments": dict(result.get("comments", {})), "late_penalty": None}
+                    res["times"][nb] = {g: c["seconds"] for g, c in result["cells"].items() if c.get("seconds") is not None}
+                    flagged = {g: c["review"] for g, c in result["cells"].items() if c.get("review")}
+                    if flagged:
+                        res["review"][nb] = flagged
+                    if result.get("timestamp"):
+                        res["timestamp"] = result["timestamp"]
+                    res["notes"] = [n for n in res["notes"] if n.get("kind") in ("ignored_files", "no_sandbox")
+                                    or n.get("notebook") not in (nb,)] + [
+                        n for n in result.get("notes", []) if n.get("kind") != "no_sandbox"]
+                    res["seconds"] += float(result.get("seconds") or 0.0)
+                    result = {**result, "notes": res["notes"]}
+                    res["total"] = merge_result(gb, course, result, None)
+                    bar.set_postfix_str(f"{res['assignment']} {res['student']}: {res['total']:g}")
+                    bar.update()
 
-        jobs = [{"root": str(course.root), "db_url": course.db_url, "snapshot": str(snapshot), "scratch": scratch,
-                 "assignment": assignment, "student": s, "timeout": timeout, "sandbox": sandbox}
-                for assignment, who in plan for s in who]
-        # the longest submissions first, so that no worker is left with a long one at the end
-        jobs.sort(key=lambda j: (-weight[j["assignment"]], rank[j["assignment"]], j["student"]))
-        bar = tqdm(total=len(jobs), desc="autograde", unit="submission", disable=not progress or None)
-        gb = None
-        try:
-            for res in _run_jobs(jobs, workers, prepare):
-                if gb is None:
-                    gb = Gradebook(course.gradebook_url)
-                res["total"] = _merge(gb, res)
-                atomic_write(course.notes_path(res["assignment"], res["student"]), json.dumps(res["notes"], indent=1))
-                results.append(res)
-                bar.set_postfix_str(f"{res['assignment']} {res['student']}: {res['total']:g}")
-                bar.update()
-        finally:
-            if gb is not None:
-                gb.close()
+                for result in ready:
+                    merge(result)
+                for job, answer in pool.run(jobs):
+                    path = Path(job["out"])
+                    result = None
+                    if answer.get("ok"):
+                        try:
+                            result = read_result(path)
+                        except ValueError:
+                            result = None
+                    if result is None:
+                        why = answer.get("error") or "no result was written"
+                        kind = "grader_error"
+                        msg = (f"the autograder itself failed on this submission ({why}): every test in "
+                               f"{Path(job['notebook']).name} scored 0.")
+                        result = _blank_result(job["assignment"], job["student"], Path(job["release"]).stem,
+                                               Path(job["release"]), msg, kind)
+                    merge(result)
             bar.close()
-    results.sort(key=lambda r: (rank[r["assignment"]], r["student"]))
-    return results
+    finally:
+        lock.release()
+    out = sorted(results.values(), key=lambda r: (rank[r["assignment"]], r["student"]))
+    for r in out:
+        r.setdefault("total", 0.0)
+    return out
+
+
+def _read(path: Path):
+    import nbformat
+
+    return nbformat.read(path, as_version=4)
+
+
+def _timestamp(path: Path) -> str | None:
+    """nbgrader's submission time (``timestamp.txt``) as ISO 8601, or None."""
+    if not path.is_file():
+        return None
+    from dateutil.parser import parse
+
+    try:
+        return parse(path.read_text().strip()).isoformat()
+    except (ValueError, OverflowError):
+        return None
 
 
 def missing_summary(course: Course, assignments: list[str], results: list[dict],
@@ -655,246 +768,3 @@ def missing_summary(course: Course, assignments: list[str], results: list[dict],
     return lines
 
 
-def _failed_job(job: dict, why: str) -> dict:
-    return {"assignment": job["assignment"], "student": job["student"], "notebooks": {}, "failed": ["*"],
-            "times": {}, "log": why, "seconds": 0.0,
-            "notes": [{"notebook": None, "cell": None, "kind": "grader_error",
-                       "message": f"the autograder itself failed on this submission ({why}): it scored 0."}]}
-
-
-# --------------------------------------------------------------------------- the pool of workers
-
-
-def _worker_start(threads: int) -> None:
-    """A worker process's start: its share of the cores for PyTorch (its own checks, and the
-    kernels it starts, which inherit the environment), and the imports every job needs, done once."""
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # unless set by the instructor
-        os.environ.setdefault(var, str(threads))
-    import torch
-
-    try:
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    except ValueError:
-        torch.set_num_threads(threads)
-    import nbgrader.api  # noqa: F401
-    import nbgrader.converters  # noqa: F401
-
-    from . import execute  # noqa: F401
-    _quiet_sqlalchemy()
-
-
-def _started() -> None:
-    """Nothing: submitted to a new pool, it says when a worker process is ready."""
-
-
-def _work(job: dict, marker: str) -> dict:
-    """One job in a worker: leaves ``marker`` (the job has started), then grades it."""
-    Path(marker).touch()
-    return grade_student(job)
-
-
-def _stop(pool) -> None:
-    """Shut a pool down without waiting for processes that are still starting (no job runs):
-    the idle ones exit, the others are stopped."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())  # shutdown forgets them
-    pool.shutdown(wait=False, cancel_futures=True)
-    deadline = time.monotonic() + 1
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(10)
-
-
-_END = object()
-
-
-class _Feeder(threading.Thread):
-    """Keeps the pool's processes busy with the run's jobs, in a thread of the main process, and
-    puts each result in ``out`` (then ``_END``). A pool broken by a dying process is replaced:
-    the jobs that had not started go on in a new pool of ``size``; those that had started are
-    retried once, one at a time; a job that kills its process again gets ``_failed_job``."""
-
-    def __init__(self, pool, ready: list, size: int, todo: collections.deque, lock: threading.Lock, ctx,
-                 threads: int, marks: str):
-        super().__init__(name="gptlab-autograde-feeder", daemon=True)
-        self.pool, self.ready, self.size, self.todo, self.lock = pool, ready, size, todo, lock
-        self.ctx, self.threads, self.marks = ctx, threads, Path(marks)
-        self.out: queue.Queue = queue.Queue()
-        self.warm = threading.Event()  # a process of the first pool is ready: the main process stops grading
-        self.halt = threading.Event()
-        self.error: BaseException | None = None
-        self.count = 0
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as e:  # noqa: BLE001 (handed to the main thread)
-            self.error = e
-        finally:
-            self.out.put(_END)
-
-    def _take(self, source: list | collections.deque):
-        with self.lock:
-            return source.popleft() if isinstance(source, collections.deque) and source else \
-                (source.pop(0) if source else None)
-
-    def _run(self) -> None:
-        suspects: list[dict] = []
-        pool, ready, size, alone = self.pool, self.ready, self.size, False
-        fruitless = 0
-        while True:
-            broken, died = self._generation(pool, ready, size, suspects if alone else self.todo)
-            _stop(pool)
-            if self.halt.is_set():
-                return
-            started = [job for job, marker in broken if marker.exists()]
-            waiting = [job for job, marker in broken if not marker.exists()]
-            if alone:
-                suspects[:0] = waiting
-                for job in started:
-                    self.out.put(_failed_job(job, "the grading process died"))
-            else:
-                with self.lock:
-                    self.todo.extendleft(reversed(waiting))
-                suspects += started
-            fruitless = fruitless + 1 if died and not started else 0
-            with self.lock:
-                left = len(self.todo)
-            if fruitless >= 2:  # the processes die before any job starts
-                with self.lock:
-                    rest = list(self.todo) + suspects
-                    self.todo.clear()
-                for job in rest:
-                    self.out.put(_failed_job(job, "the grading processes died before it could start"))
-                return
-            if left:
-                alone, size = False, min(self.size, left)
-            elif suspects:
-                alone, size = True, 1
-            else:
-                return
-            self.warm.set()
-            pool, ready = self._pool(size), None
-
-    def _pool(self, size: int):
-        return cf.ProcessPoolExecutor(max_workers=size, mp_context=self.ctx, initializer=_worker_start,
-                                      initargs=(self.threads,))
-
-    def _generation(self, pool, ready: list | None, size: int, source) -> tuple[list[tuple[dict, Path]], bool]:
-        """Run jobs from ``source`` on ``pool`` until none is left or the pool breaks; returns the
-        (job, marker) of the jobs it broke, and whether it broke."""
-        in_flight: dict = {}
-        broken: list[tuple[dict, Path]] = []
-        while not self.halt.is_set():
-            is_ready = ready is None or any(f.done() for f in ready)
-            if is_ready:
-                self.warm.set()
-                while len(in_flight) < size and not broken:
-                    job = self._take(source)
-                    if job is None:
-                        break
-                    self.count += 1
-                    marker = self.marks / str(self.count)
-                    try:
-                        in_flight[pool.submit(_work, job, str(marker))] = (job, marker)
-                    except cf.process.BrokenProcessPool:
-                        broken.append((job, marker))
-            if not in_flight:
-                with self.lock:
-                    more = bool(source)
-                if is_ready or broken or not more:
-                    break  # done, or broken, or the main process took the last jobs before a process was ready
-            waiting = list(in_flight) + [f for f in ready or [] if not f.done()]
-            done, _ = cf.wait(waiting, timeout=0.5, return_when=cf.FIRST_COMPLETED)
-            for fut in done:
-                if fut not in in_flight:
-                    if fut.exception() is not None:  # a process died while starting
-                        broken.append((None, None))
-                    continue
-                self._settle(fut, *in_flight.pop(fut), broken)
-            if broken:  # the pool is dead: every job in it ends now, with a result or broken
-                for fut, (job, marker) in in_flight.items():
-                    self._settle(fut, job, marker, broken)
-                break
-        return [(job, marker) for job, marker in broken if job is not None], bool(broken)
-
-    def _settle(self, fut, job, marker, broken: list) -> None:
-        """A finished future's result onto the queue; a job of a broken pool onto ``broken``."""
-        try:
-            self.out.put(fut.result())
-        except cf.process.BrokenProcessPool:
-            broken.append((job, marker))
-        except Exception as e:  # noqa: BLE001
-            self.out.put(_failed_job(job, f"{type(e).__name__}: {e}"))
-
-
-def _run_jobs(jobs: list[dict], workers: int, prepare=None):
-    """Yield each job's result as it finishes, from ONE pool of ``workers`` processes for all the
-    jobs of the run (a process costs seconds to start: ``import torch``, nbgrader).
-
-    ``prepare()`` runs in this process first, while the pool's processes start; until one of them
-    is ready, this process grades jobs itself (so a short run is never slower than one worker).
-    One worker, or one job, runs in this process. A worker process that dies costs its job only:
-    the jobs it broke that had not started go on in a new pool; those that had started are
-    retried once, one at a time, and a job that kills its process again scores 0 with a note.
-    """
-    workers = min(workers, len(jobs))
-    if workers <= 1:
-        if prepare is not None:
-            prepare()
-        for job in jobs:
-            yield _in_process(job)
-        return
-    ctx = multiprocessing.get_context("spawn")
-    threads = max(1, (os.cpu_count() or 1) // workers)
-    todo, lock = collections.deque(jobs), threading.Lock()
-    with tempfile.TemporaryDirectory(prefix="gptlab-started-") as marks:
-        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_start,
-                                      initargs=(threads,))
-        try:
-            ready = [pool.submit(_started) for _ in range(workers)]
-            if prepare is not None:
-                prepare()
-        except BaseException:
-            _stop(pool)
-            raise
-        feeder = _Feeder(pool, ready, workers, todo, lock, ctx, threads, marks)
-        feeder.start()
-        try:
-            while True:
-                item = None
-                while True:  # what the pool finished first
-                    try:
-                        item = feeder.out.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is _END:
-                        break
-                    yield item
-                if item is _END:
-                    break
-                if not feeder.warm.is_set():
-                    with lock:
-                        job = todo.popleft() if todo else None
-                    if job is not None:
-                        yield _in_process(job)
-                        continue
-                item = feeder.out.get()
-                if item is _END:
-                    break
-                yield item
-        finally:
-            feeder.halt.set()
-            feeder.join()
-        if feeder.error is not None:
-            raise feeder.error
-
-
-def _in_process(job: dict) -> dict:
-    try:
-        return grade_student(job)
-    except Exception as e:  # noqa: BLE001 (one student must not stop the run)
-        return _failed_job(job, f"{type(e).__name__}: {e}")

@@ -54,7 +54,7 @@ from jupyter_core.utils import run_sync
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbformat.notebooknode import NotebookNode
 from nbgrader.preprocessors import Execute
-from traitlets import Bool, Float, Integer, default
+from traitlets import Bool, Float, Integer
 
 from ..grading import remote
 from ..grading.source import neutralise_shell
@@ -105,9 +105,6 @@ class GptlabExecute(Execute):
     max_output_bytes = Integer(1 << 20, help="Output kept per cell (bytes of text); the rest is dropped with a "
                                              "note.").tag(config=True)
 
-    @default("kernel_manager_class")
-    def _kernel_manager_class_default(self):
-        return _sandbox.SandboxKernelManager
 
     # -- the sandbox ---------------------------------------------------------------------------
 
@@ -137,8 +134,12 @@ class GptlabExecute(Execute):
                 shutil.rmtree(folder, ignore_errors=True)
 
     def create_kernel_manager(self):
+        # always gptlab's manager (nbclient's own default would start the kernel unconfined)
+        self.kernel_manager_class = _sandbox.SandboxKernelManager
         km = super().create_kernel_manager()
-        if getattr(self, "_runtime", None) and hasattr(km, "gptlab_spec"):
+        if not isinstance(km, _sandbox.SandboxKernelManager):
+            raise RuntimeError(f"the autograder's kernel manager is {type(km).__name__}, not gptlab's sandbox")
+        if getattr(self, "_runtime", None):
             from ..assets import cache_dir
 
             self._kernels += 1
@@ -209,6 +210,7 @@ class GptlabExecute(Execute):
         # through the notebook's outputs, not there. The kernel does not learn where the grading
         # secret is kept.
         kwargs.setdefault("stderr", subprocess.DEVNULL)
+        kwargs.setdefault("stdout", subprocess.DEVNULL)
         from .secret import ENV
 
         kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != ENV})

