@@ -1,9 +1,9 @@
 """``course autograde`` over a whole run, and ``course grades``, on small torch-free assignments.
 
-* One pool of worker processes serves every (student, assignment) of a run: it is created once,
-  whatever the number of assignments, and gives the same scores as one worker (a real spawn pool
-  and real nbgrader grading, marked slow; and a fast version with a thread pool in its place and
-  a stand-in for ``grade_student``, which also checks the retry of a job whose worker died).
+* The pool of grade-worker processes gives the same scores with 2 workers as with 1, and a third
+  run reuses every stored result; a worker that dies costs its job one retry (then "died"); a
+  second run on a course being graded is refused; ``kill -9`` of a run leaves no worker, kernel or
+  sandbox behind, and the next run finishes what it left.
 * The summary at the end of ``course autograde`` names the students with no submission of an
   assignment, and the graded ones with a notebook missing.
 * ``grades.csv`` leaves the cells empty for an assignment a student did not submit (or that was
@@ -12,11 +12,12 @@
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import csv
 import json
+import os
 import shutil
-import threading
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 from gptlab.__main__ import main
 from gptlab.course import Course, grades_table
 from gptlab.course import autograde as ag
+from gptlab.course.results import merge_result
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["alpha", "beta", "gamma"]
@@ -83,222 +85,136 @@ def _scores(results) -> dict:
     return {(r["assignment"], r["student"]): (r["total"], r["notebooks"]) for r in results}
 
 
-# --------------------------------------------------------------------------- one pool, real grading
+# --------------------------------------------------------------------------- the pool, real grading
 
 
 @pytest.mark.slow
-def test_one_pool_for_the_whole_run_and_the_same_scores_as_one_worker(course, monkeypatch):
+def test_the_pool_gives_the_same_scores_as_one_worker_and_names_what_is_missing(course, capsys):
     for name in TINY:
         _submit(course, "ann", name, RIGHT)
         _submit(course, "bob", name, WRONG_G)
     _submit(course, "cy", "alpha", {})  # the blank release
-    made = []
-
-    class Counting(cf.ProcessPoolExecutor):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("max_workers", args[0] if args else None))
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(ag.cf, "ProcessPoolExecutor", Counting)
+    (course / "submitted" / "cy" / "beta").mkdir(parents=True)  # a folder without the notebook
+    (course / "submitted" / "eve").mkdir()  # a learner folder with nothing in it
     c = Course(course)
     t0 = time.perf_counter()
     pooled = ag.autograde(c, TINY, workers=2, progress=False)
     t_pool = time.perf_counter() - t0
-    assert made == [2], f"{len(made)} pools for one run over {len(TINY)} assignments: {made}"
     t0 = time.perf_counter()
-    alone = ag.autograde(c, TINY, workers=1, progress=False)
+    alone = ag.autograde(c, TINY, workers=1, progress=False, force=True)
     t_alone = time.perf_counter() - t0
-    assert made == [2]  # one worker grades in this process
-    print(f"7 submissions: 2 workers {t_pool:.1f} s, 1 worker {t_alone:.1f} s")
+    print(f"8 submissions: 2 workers {t_pool:.1f} s, 1 worker {t_alone:.1f} s")
     assert [(r["assignment"], r["student"]) for r in pooled] == [(r["assignment"], r["student"]) for r in alone]
     assert _scores(pooled) == _scores(alone)
     totals = {(r["assignment"], r["student"]): r["total"] for r in pooled}
-    assert totals == {**{(n, "ann"): 3.0 for n in TINY}, **{(n, "bob"): 2.0 for n in TINY}, ("alpha", "cy"): 0.0}
+    assert totals == {**{(n, "ann"): 3.0 for n in TINY}, **{(n, "bob"): 2.0 for n in TINY}, ("alpha", "cy"): 0.0,
+                      ("beta", "cy"): 0.0}
+    missing = ag.missing_summary(c, TINY, pooled)
+    assert "alpha: no submission from eve" in missing and "gamma: no submission from cy, eve" in missing
+    assert "beta: notebook(s) missing from cy (beta.ipynb)" in missing
+    # a third run grades nothing again: every stored result is still valid, and merged as it is
+    t0 = time.perf_counter()
+    again = ag.autograde(c, TINY, workers=2, progress=False)
+    assert _scores(again) == _scores(pooled) and time.perf_counter() - t0 < t_alone / 2
 
 
-def _die(job: dict, marker: str) -> dict:
-    """In a worker process, in place of ``_work``: the job starts, and its process dies."""
-    import os
+def _fake_worker(tmp_path: Path) -> list[str]:
+    """A worker command that answers like grade-worker: job 'b' kills its process once (a marker
+    file remembers), job 'c' every time, the others answer ok."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        print(json.dumps({{"ready": os.getpid()}}), flush=True)
+        for line in sys.stdin:
+            job = json.loads(line)
+            if job["name"] == "c" or (job["name"] == "b" and not os.path.exists({str(tmp_path / 'b-died')!r})):
+                open({str(tmp_path / 'b-died')!r}, "a").write("x") if job["name"] == "b" else None
+                os._exit(1)
+            print(json.dumps({{"id": job["id"], "ok": True, "error": None}}), flush=True)
+    """))
+    return [sys.executable, str(script)]
 
-    Path(marker).touch()
-    os._exit(1)
+
+def test_a_worker_that_dies_costs_its_job_one_retry(tmp_path, monkeypatch):
+    """A worker process that dies mid-job is replaced and the job tried once more; a job that kills
+    its worker twice is answered "died"; the other jobs are answered as usual."""
+    pool = ag.WorkerPool(2, 1)
+    monkeypatch.setattr(pool, "command", _fake_worker(tmp_path))
+    jobs = [{"id": k, "name": n} for k, n in enumerate("abcde")]
+    answers = {job["name"]: answer for job, answer in pool.run(jobs)}
+    assert sorted(answers) == list("abcde")
+    assert all(answers[n]["ok"] for n in "abde")
+    assert not answers["c"]["ok"] and answers["c"].get("died") and "died" in answers["c"]["error"]
+
+
+def test_two_runs_on_one_course_at_once_are_refused_cleanly(course):
+    """A second course autograde on a course that one is grading refuses with one line naming it
+    (it used to grade beside it and store 0 for a submission it failed)."""
+    from gptlab.files import lock_folder
+
+    _submit(course, "ann", "alpha", RIGHT)
+    with lock_folder(course, ".gptlab-autograde.lock", purpose="course autograde"):
+        with pytest.raises(ag.CourseError, match="in use by another course autograde"):
+            ag.autograde(Course(course), ["alpha"], progress=False)
+    assert not (course / "gradebook.db").exists() or not ag.submitted_students(Course(course), "beta")
+
+
+def _our_processes(course: Path) -> list[str]:
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            env = (Path("/proc") / pid / "environ").read_bytes()
+        except OSError:
+            continue
+        if ("grade-worker" in cmd or "kernel_boot.py" in cmd or "gptlab-sandbox" in cmd) and \
+                str(course).encode() in env + cmd.encode():
+            out.append(f"{pid} {cmd[:120]}")
+    return out
 
 
 @pytest.mark.slow
-def test_a_worker_process_that_dies_costs_its_job_only(course, monkeypatch):
-    """The student "crash" kills every worker process that grades them: each such job is retried
-    once, alone, then scores 0 with a note; the other jobs are graded as usual."""
-    for student in ("ann", "bob", "crash"):
+def test_a_killed_run_leaves_nothing_running_and_the_next_run_finishes_it(course):
+    """kill -9 of course autograde in the middle of a run: its workers and their kernels die with it;
+    the next run merges what the killed one had graded and grades the rest."""
+    import signal
+    import subprocess
+
+    students = [f"s{k}" for k in range(6)]
+    for student in students:
         _submit(course, student, "alpha", RIGHT)
-        _submit(course, student, "beta", RIGHT)
-    made, here = [], []
-
-    class Dying(cf.ProcessPoolExecutor):
-        def __init__(self, *args, **kwargs):
-            made.append(kwargs.get("max_workers", args[0] if args else None))
-            super().__init__(*args, **kwargs)
-
-        def submit(self, fn, *args, **kwargs):
-            if fn is ag._work and args[0]["student"] == "crash":
-                fn = _die
-            return super().submit(fn, *args, **kwargs)
-
-    in_process = ag._in_process
-
-    def slowly(job):  # the main process grades while the pool starts: let the pool take most jobs
-        here.append((job["assignment"], job["student"]))
-        time.sleep(5)
-        return in_process(job)
-
-    monkeypatch.setattr(ag.cf, "ProcessPoolExecutor", Dying)
-    monkeypatch.setattr(ag, "_in_process", slowly)
-    results = {(r["assignment"], r["student"]): r for r in ag.autograde(Course(course), ["alpha", "beta"], workers=2,
-                                                                        progress=False)}
-    assert len(results) == 6
-    died = [k for k in results if k[1] == "crash" and k not in here]
-    assert died, f"the main process graded every job: {here}"
-    for key, r in results.items():
-        if key in died:
-            assert r["total"] == 0.0 and "the grading process died" in r["notes"][0]["message"], r
-        else:
-            assert r["total"] == 3.0 and not r["notes"], r
-    assert made[0] == 2 and made[-1] == 1  # the run's pool, ..., a retry alone
-
-
-# --------------------------------------------------------------------------- one pool, stand-ins
-
-
-class ThreadPool(cf.ThreadPoolExecutor):
-    """In place of the process pool: threads, no initializer (it sets this process's threads)."""
-
-    made: list[int] = []
-
-    def __init__(self, max_workers=None, mp_context=None, initializer=None, initargs=()):
-        ThreadPool.made.append(max_workers)
-        super().__init__(max_workers)
-
-
-def _fake_grade(kills: dict[tuple[str, str], int], missing: set[tuple[str, str]], seen: list, lock):
-    """A stand-in for grade_student: full marks, except g for bob; a notebook missing for
-    ``missing``; a dead worker (BrokenProcessPool) the first ``kills[key]`` times."""
-
-    def grade(job: dict) -> dict:
-        key = (job["assignment"], job["student"])
-        with lock:
-            seen.append(key)
-            dies = kills.get(key, 0) > 0
-            if dies:
-                kills[key] -= 1
-        time.sleep(0.01)
-        if dies:
-            raise cf.process.BrokenProcessPool("a worker died")
-        name = job["assignment"]
-        result = {"assignment": name, "student": job["student"], "notebooks": {}, "notes": [], "times": {},
-                  "failed": [], "log": "", "seconds": 0.01}
-        if key in missing:
-            result["failed"].append(name)
-            result["notes"].append({"notebook": name, "cell": None, "kind": "missing",
-                                    "message": f"{name}.ipynb was not submitted: every test in it scored 0."})
-        else:
-            result["notebooks"][name] = {"grades": {"test_f": 2.0, "test_g": 0.0 if job["student"] == "bob" else 1.0},
-                                         "comments": {}, "late_penalty": None}
-        return result
-
-    return grade
-
-
-@pytest.fixture
-def fake_pool(monkeypatch):
-    ThreadPool.made = []
-    monkeypatch.setattr(ag.cf, "ProcessPoolExecutor", ThreadPool)
-    return ThreadPool
-
-
-def _everyone(course: Path) -> None:
-    for name in TINY:
-        for student in ("ann", "bob", "cy"):
-            _submit(course, student, name, RIGHT)
-    _submit(course, "dee", "alpha", RIGHT)
-
-
-def test_one_pool_serves_every_assignment(course, fake_pool, monkeypatch):
-    _everyone(course)
-    seen, lock = [], threading.Lock()
-    monkeypatch.setattr(ag, "grade_student", _fake_grade({}, set(), seen, lock))
-    c = Course(course)
-    pooled = ag.autograde(c, TINY, workers=2, progress=False)
-    assert fake_pool.made == [2]
-    assert sorted(seen) == sorted((r["assignment"], r["student"]) for r in pooled) and len(seen) == 10
-    seen.clear()
-    alone = ag.autograde(c, TINY, workers=1, progress=False)
-    assert fake_pool.made == [2] and len(seen) == 10
-    assert _scores(pooled) == _scores(alone)
-    assert [(r["assignment"], r["student"]) for r in pooled] == \
-        [(n, s) for n in TINY for s in ("ann", "bob", "cy", "dee") if n == "alpha" or s != "dee"]
-    assert {r["total"] for r in pooled if r["student"] == "bob"} == {2.0}
-    assert {r["total"] for r in pooled if r["student"] != "bob"} == {3.0}
-
-
-def test_the_longest_assignment_goes_first(course, fake_pool, monkeypatch):
-    import nbformat
-
-    path = course / "solutions" / "gamma" / "gamma.ipynb"
-    nb = nbformat.read(path, as_version=4)
-    nb.cells[1].metadata["gptlab"] = {"timeout": 300}
-    nbformat.write(nb, path)
-    _everyone(course)
-    seen, lock = [], threading.Lock()
-    monkeypatch.setattr(ag, "grade_student", _fake_grade({}, set(), seen, lock))
-    ag.autograde(Course(course), TINY, workers=2, progress=False)
-    # the jobs are taken gamma first, but up to 3 graders run at once (2 workers, and the main process until
-    # one is ready) and a grader may be paused between taking a job and recording it. What holds whatever the
-    # timing: the first 3 jobs taken are gamma's, and a 4th is taken only after one of them was recorded,
-    # so gamma's is recorded first; and gamma's jobs are recorded well before the others on average.
-    gamma = [i for i, (a, _) in enumerate(seen) if a == "gamma"]
-    others = [i for i, (a, _) in enumerate(seen) if a != "gamma"]
-    assert seen[0][0] == "gamma" and len(gamma) == 3, seen
-    assert sum(gamma) / len(gamma) + 2 < sum(others) / len(others), seen
-
-
-def test_a_dead_worker_costs_its_job_only(course, fake_pool, monkeypatch):
-    _everyone(course)
-    seen, lock = [], threading.Lock()
-    # the last jobs of the run (the main process may grade the first ones itself while the pool
-    # starts): one kills its worker once (retried), one twice (0 and a note)
-    kills = {("gamma", "cy"): 1, ("gamma", "bob"): 2}
-    monkeypatch.setattr(ag, "grade_student", _fake_grade(kills, set(), seen, lock))
-    results = {(r["assignment"], r["student"]): r for r in ag.autograde(Course(course), TINY, workers=2,
-                                                                        progress=False)}
-    assert len(results) == 10
-    assert results[("gamma", "cy")]["total"] == 3.0 and not results[("gamma", "cy")]["notes"]
-    assert results[("gamma", "bob")]["total"] == 0.0
-    assert "the grading process died" in results[("gamma", "bob")]["notes"][0]["message"]
-    assert seen.count(("gamma", "cy")) == 2 and seen.count(("gamma", "bob")) == 2
-    assert all(seen.count(k) == 1 for k in results if k not in kills)
-    # the run's pool, then new ones only because workers died: the retries one at a time
-    assert fake_pool.made[0] == 2 and fake_pool.made[-1] == 1 and len(fake_pool.made) <= 4
-
-
-def test_the_summary_names_what_is_missing(course, fake_pool, monkeypatch, capsys):
-    _everyone(course)
-    (course / "submitted" / "eve").mkdir()  # a learner folder with nothing in it
-    seen, lock = [], threading.Lock()
-    monkeypatch.setattr(ag, "grade_student", _fake_grade({}, {("beta", "cy")}, seen, lock))
-    assert main(["course", "autograde", "--course", str(course), "--workers", "2", "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert "missing:\n" in out
-    assert "  alpha: no submission from eve\n" in out
-    assert "  beta: no submission from dee, eve\n" in out and "  gamma: no submission from dee, eve\n" in out
-    assert "  beta: notebook(s) missing from cy (beta.ipynb)\n" in out
-    assert "10 submission(s) graded" in out
-    # only the named students
-    assert main(["course", "autograde", "beta", "--course", str(course), "--student", "dee", "--student", "ann",
-                 "--quiet"]) == 0
-    out = capsys.readouterr().out
-    assert "  beta: no submission from dee\n" in out and "eve" not in out
+    env = {**os.environ, "GPTLAB_TEST_COURSE": str(course)}  # to find this run's processes by
+    proc = subprocess.Popen([sys.executable, "-m", "gptlab", "course", "autograde", "alpha", "--course", str(course),
+                             "--workers", "2", "--quiet"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    store = course / "autograded" / ".gptlab" / "results" / "alpha"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and len(list(store.glob("*/*.json"))) < 2:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = len(list(store.glob("*/*.json")))
+    time.sleep(1.5)
+    assert _our_processes(course) == [], _our_processes(course)
+    assert 2 <= done_before < len(students)
+    # the stale lock of the killed run is taken over; the results it wrote are merged, not graded again
+    results = ag.autograde(Course(course), ["alpha"], workers=2, progress=False)
+    assert {r["student"]: r["total"] for r in results} == {s: 3.0 for s in students}
 
 
 # --------------------------------------------------------------------------- grades.csv
+
+
+def _result(name: str, student: str, grades: dict, review: dict | None = None) -> dict:
+    """A grade-one result for the tiny assignment ``name`` (a missing cell scores 0)."""
+    from gptlab.course.grade_one import FORMAT
+
+    cells = {g: {"points": grades.get(g, 0.0), "max_points": m, "kind": "correct", "message": "", "printed": "",
+                 "seconds": None, "review": (review or {}).get(g, [])} for g, m in (("test_f", 2.0), ("test_g", 1.0))}
+    return {"format": FORMAT, "assignment": name, "notebook": name, "student": student, "assignment_version": "x",
+            "cells": cells, "comments": {}, "notes": []}
 
 
 def test_grades_csv_leaves_what_was_not_graded_empty(course, tmp_path):
@@ -311,15 +227,11 @@ def test_grades_csv_leaves_what_was_not_graded_empty(course, tmp_path):
     for name in TINY:
         ag._ensure_assignment(c, name)
 
-    def result(name, student, grades, missing=False):
-        return {"assignment": name, "student": student, "notes": [], "failed": [name] if missing else [],
-                "notebooks": {} if missing else {name: {"grades": grades, "comments": {}, "late_penalty": None}}}
-
     with Gradebook(c.gradebook_url) as gb:
         for name in TINY:
-            ag._merge(gb, result(name, "ann", {"test_f": 2.0, "test_g": 1.0}))
-        ag._merge(gb, result("alpha", "bob", {"test_f": 2.0, "test_g": 0.0}))
-        ag._merge(gb, result("beta", "bob", {}, missing=True))
+            merge_result(gb, c, _result(name, "ann", {"test_f": 2.0, "test_g": 1.0}))
+        merge_result(gb, c, _result("alpha", "bob", {"test_f": 2.0, "test_g": 0.0}))
+        merge_result(gb, c, _result("beta", "bob", {}))
         gb.update_or_create_student("cy")
     out = tmp_path / "grades.csv"
     assert main(["course", "grades", "--course", str(course), "--output", str(out)]) == 0
@@ -343,9 +255,7 @@ def test_grades_csv_a_test_cell_without_a_score_is_empty(course, tmp_path):
     c = Course(course)
     ag._ensure_assignment(c, "alpha")
     with Gradebook(c.gradebook_url) as gb:
-        ag._merge(gb, {"assignment": "alpha", "student": "ann", "notes": [], "failed": [],
-                       "notebooks": {"alpha": {"grades": {"test_f": 2.0, "test_g": None}, "comments": {},
-                                               "late_penalty": None}}})
+        merge_result(gb, c, _result("alpha", "ann", {"test_f": 2.0, "test_g": None}))
     header, table = grades_table(c, ["alpha"])
     assert header == ["student", "alpha", "alpha/test_f", "alpha/test_g", "total", "notes"]
     assert table == [["ann", 2.0, 2.0, None, 2.0, None]]
@@ -363,13 +273,9 @@ def test_grades_csv_names_what_needs_review_and_what_ran_without_the_sandbox(cou
     ag._ensure_assignment(c, "alpha")
     ag._ensure_assignment(c, "beta")
     with Gradebook(c.gradebook_url) as gb:
-        ag._merge(gb, {"assignment": "alpha", "student": "ann", "notes": [], "failed": [],
-                       "review": {"alpha": {"test_f": ["cell 3, line 1: `sys.setprofile(None)`: ..."]}},
-                       "notebooks": {"alpha": {"grades": {"test_f": 2.0, "test_g": 1.0}, "comments": {},
-                                               "late_penalty": None}}})
-        ag._merge(gb, {"assignment": "beta", "student": "ann", "notes": [], "failed": [],
-                       "notebooks": {"beta": {"grades": {"test_f": 2.0, "test_g": 1.0}, "comments": {},
-                                              "late_penalty": None}}})
+        merge_result(gb, c, _result("alpha", "ann", {"test_f": 2.0, "test_g": 1.0},
+                                    review={"test_f": ["cell 3, line 1: `sys.setprofile(None)`: ..."]}))
+        merge_result(gb, c, _result("beta", "ann", {"test_f": 2.0, "test_g": 1.0}))
         flagged = {g.name: g.needs_manual_grade for g in gb.find_submission_notebook("alpha", "alpha", "ann").grades}
     assert flagged == {"test_f": True, "test_g": False}
     path = c.notes_path("beta", "ann")

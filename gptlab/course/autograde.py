@@ -335,6 +335,7 @@ class WorkerPool:
 
     def __init__(self, size: int, threads: int, log: Path | None = None):
         self.size, self.threads, self.log = size, threads, log
+        self.command = [sys.executable, "-m", "gptlab", "course", "grade-worker"]
 
     def _start(self) -> subprocess.Popen | None:
         env = dict(os.environ)
@@ -342,7 +343,7 @@ class WorkerPool:
             env.setdefault(var, str(self.threads))
         err = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115 - the child keeps it
         try:
-            proc = subprocess.Popen([sys.executable, "-m", "gptlab", "course", "grade-worker"], stdin=subprocess.PIPE,
+            proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=err, env=env, text=True, bufsize=1)
         finally:
             if err is not subprocess.DEVNULL:
@@ -350,7 +351,7 @@ class WorkerPool:
         line = proc.stdout.readline()
         if not line.startswith('{"ready"'):
             proc.kill()
-            proc.wait()
+            _close(proc)
             return None
         return proc
 
@@ -394,7 +395,7 @@ class WorkerPool:
                         except json.JSONDecodeError:
                             out.put((job, {"ok": False, "error": f"a grading process answered {line[:100]!r}"}))
                         break
-                    proc.wait()
+                    _close(proc)
                     proc = None  # it died: a fresh one, and the job once more
                     if attempt == 2:
                         out.put((job, {"ok": False, "error": "the grading process died", "died": True}))
@@ -405,7 +406,18 @@ class WorkerPool:
                     proc.wait(timeout=30)
                 except Exception:  # noqa: BLE001
                     proc.kill()
-                    proc.wait()
+                _close(proc)
+
+
+def _close(proc: subprocess.Popen) -> None:
+    """Wait for a worker process and close its pipes."""
+    for stream in (proc.stdin, proc.stdout):
+        try:
+            if stream is not None:
+                stream.close()
+        except OSError:
+            pass
+    proc.wait()
 
 
 # --------------------------------------------------------------------------- the main process
