@@ -517,6 +517,17 @@ def _cmd_import_results(args) -> int:
     return 0
 
 
+def _cmd_export_gradescope(args) -> int:
+    from .course.gradescope import export
+
+    course = _course(args)
+    out = export(course, args.assignment, args.out, after_due_date=tuple(args.after_due_date or ()),
+                 hidden=tuple(args.hidden or ()), timeout=args.timeout)
+    print(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB): upload it as the assignment's Gradescope autograder "
+          "(Configure Autograder, zip file upload)")
+    return 0
+
+
 def _cmd_feedback(args) -> int:
     course = _course(args)
     pages = feedback(course, course.assignments(args.assignments), args.student or None, progress=not args.quiet)
@@ -609,6 +620,18 @@ def _course_arguments(p: argparse.ArgumentParser) -> None:
 
     w = sub.add_parser("grade-worker", parents=[common], help=argparse.SUPPRESS)
     w.set_defaults(func=_friendly(_cmd_grade_worker))
+
+    x = step("export-gradescope", _cmd_export_gradescope,
+             help="a Gradescope autograder zip for one assignment",
+             description="Write a Gradescope autograder (setup.sh, run_autograder, the released notebook, the "
+                         "grading secret, this course's gptlab as a wheel, the pinned requirements). Each "
+                         "submission is graded with grade-one; its results.json has one test per graded cell.")
+    x.add_argument("assignment", metavar="ASSIGNMENT")
+    x.add_argument("--out", required=True, metavar="autograder.zip")
+    x.add_argument("--after-due-date", action="append", metavar="GRADE_ID",
+                   help="a test cell students see only after the due date (repeatable; default: visible)")
+    x.add_argument("--hidden", action="append", metavar="GRADE_ID", help="a test cell students never see (repeatable)")
+    x.add_argument("--timeout", type=int, default=None, help="time limit per cell (default: the course's)")
 
     i = step("import-results", _cmd_import_results,
              help="merge a folder of grade-one results into the gradebook",

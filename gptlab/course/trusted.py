@@ -27,13 +27,37 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..grading import core, remote, source
 from ..grading.tasks import GradedCell, hidden_seed, task_for
 
-__all__ = ["Verdict", "TrustedGrader", "learner_cells"]
+__all__ = ["Verdict", "TrustedGrader", "learner_cells", "without_inputs"]
+
+_SHOWS_INPUT = re.compile(r"^\s*(input|inputs|expected|got|largest difference|on input|for input|the input|arguments?)\b",
+                          re.IGNORECASE)
+
+
+def without_inputs(message: str) -> str:
+    """A check's message without what shows the input it failed on (the ``input:``, ``expected``,
+    ``got`` and ``largest difference`` lines, and the lines indented under them): what a learner
+    sees of a failure on the hidden inputs, which must stay hidden."""
+    out, skipping, depth = [], False, 0
+    for line in message.splitlines():
+        indent = len(line) - len(line.lstrip())
+        if _SHOWS_INPUT.match(line):
+            skipping, depth = True, indent
+            continue
+        if skipping and (indent > depth or not line.strip()):
+            continue
+        skipping = False
+        out.append(line)
+    if out:  # the first line names the call: `causal_mask(37) is wrong.` -> `causal_mask(...) is wrong.`
+        out[0] = re.sub(r"(\w)\([^()]*\)", r"\1(...)", out[0])
+    text = "\n".join(out).strip()
+    return re.sub(r"\(([^()]*\b(tensor|shape|size)\b[^()]*)\)", "(...)", text) if text else "the answer is wrong"
 
 
 @dataclass
@@ -131,8 +155,9 @@ class TrustedGrader:
                     except core.ExerciseError as e:
                         if isinstance(e, remote.LearnerTimeout | remote.LearnerCrashed | core.DelegationError):
                             raise
-                        raise core.ExerciseError(f"{e}\n  (on the autograder's hidden inputs: the notebook's own "
-                                                 "test passes, but the answer does not hold in general)") from None
+                        raise core.ExerciseError(f"{without_inputs(str(e))}\n  (on the autograder's hidden inputs, "
+                                                 "which are not shown: the notebook's own test passes, but the answer "
+                                                 "does not hold in general; try sizes and values of your own)") from None
         except core.ExerciseError as e:
             verdict = self._failure(e, conn)
         except Exception as e:  # noqa: BLE001 - the check could not use the answer: a failed test, said plainly
