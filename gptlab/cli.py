@@ -517,6 +517,40 @@ def _cmd_import_results(args) -> int:
     return 0
 
 
+def _cmd_jobs(args) -> int:
+    import shlex
+
+    from .course.autograde import _ensure_assignment, _quiet_sqlalchemy, _timestamp, submitted_students
+
+    _quiet_sqlalchemy()
+    course = _course(args)
+    results = Path(args.results)
+    lines = 0
+    for assignment in course.assignments(args.assignments):
+        release = course.directory("release") / assignment
+        if not release.is_dir():
+            raise CourseError(f"no release of {assignment} in {release}: run course release first")
+        _ensure_assignment(course, assignment)
+        for student in submitted_students(course, assignment):
+            if args.student and student not in args.student:
+                continue
+            for nb in sorted(release.glob("*.ipynb")):
+                sub = course.directory("submitted") / student / assignment / nb.name
+                out = results / assignment / student / f"{nb.stem}.json"
+                cmd = [sys.executable, "-m", "gptlab", "course", "grade-one", str(sub), "--assignment", assignment,
+                       "--release", str(nb), "--student", student, "--out", str(out),
+                       "--notebook-out", str(out.with_suffix(".ipynb")), "--quiet"]
+                if args.timeout:
+                    cmd += ["--timeout", str(args.timeout)]
+                stamp = _timestamp(sub.parent / "timestamp.txt")
+                if stamp:
+                    cmd += ["--timestamp", stamp]
+                print(shlex.join(cmd))
+                lines += 1
+    print(f"{lines} job(s)", file=sys.stderr)
+    return 0
+
+
 def _cmd_export_gradescope(args) -> int:
     from .course.gradescope import export
 
@@ -620,6 +654,15 @@ def _course_arguments(p: argparse.ArgumentParser) -> None:
 
     w = sub.add_parser("grade-worker", parents=[common], help=argparse.SUPPRESS)
     w.set_defaults(func=_friendly(_cmd_grade_worker))
+
+    j = step("jobs", _cmd_jobs, assignments=True, student=True,
+             help="print one grade-one command per submitted notebook (for xargs -P, GNU parallel, a job array)",
+             description="Print one shell command per submitted notebook of each assignment (all by default): "
+                         "grade-one writing RESULT.json and the graded notebook under --results "
+                         "(<assignment>/<student>/<notebook>.json). Run them with xargs -P N, GNU parallel or a "
+                         "Slurm job array, then merge them with course import-results.")
+    j.add_argument("--results", required=True, metavar="DIR", help="where the jobs write their results")
+    j.add_argument("--timeout", type=int, default=None, help="time limit per cell (default 30 s)")
 
     x = step("export-gradescope", _cmd_export_gradescope,
              help="a Gradescope autograder zip for one assignment",
