@@ -12,6 +12,7 @@ This module turns arguments into calls of the library (:mod:`gptlab.data`,
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
 import os
@@ -45,7 +46,7 @@ from .train import RECIPES, get_recipe, train
 from .train.loop import TrainingInterrupted
 from .train.run_folder import RunFolderError, has_checkpoint, overwrite_backup
 
-__all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command"]
+__all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command", "TextStream"]
 
 
 # --------------------------------------------------------------------------- python -m gptlab fetch
@@ -99,15 +100,57 @@ def _fetch_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- python -m gptlab sample
 
 
-def _print_stream(tokenizer, ids: list[int], printed: str) -> str:
-    """Print the part of decode(ids) not printed yet (holding back a partial UTF-8 character)."""
-    text = tokenizer.decode(ids)
-    if text.endswith("\ufffd"):
-        return printed
-    new = text[len(printed):] if text.startswith(printed) else text
-    sys.stdout.write(new)
-    sys.stdout.flush()
-    return text
+class TextStream:
+    """Token ids -> text as they come, each token decoded once: the cost of a token does not grow
+    with the text before it (``sample`` streams 100,000 tokens at the speed of the first ten).
+
+    A tokenizer that exposes the bytes of its tokens (``decode_bytes`` or ``token_bytes``: byte-level
+    BPE) goes through an incremental UTF-8 decoder, which holds back the bytes of a character split
+    across tokens until its last byte comes; any other (characters) decodes the ids not printed yet,
+    holding them back while their text ends in U+FFFD. Either way the pieces joined are exactly
+    ``tokenizer.decode(all ids)``.
+    """
+
+    HOLD = 8  # ids held back at most while their text ends in U+FFFD (a character is at most 4 bytes)
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pending: list[int] = []
+        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
+        if self.bytes_of is None and callable(getattr(tokenizer, "token_bytes", None)):
+            self.bytes_of = self._token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self.bytes_of else None
+
+    def _token_bytes(self, ids: list[int]) -> bytes:
+        n = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for vocab_size {n}")
+        return b"".join(self.tokenizer.token_bytes(i) for i in ids)
+
+    def add(self, ids: list[int]) -> str:
+        """The text that ``ids`` (the next ones) complete: possibly empty, while a character is split."""
+        if self.utf8 is not None:
+            return self.utf8.decode(self.bytes_of(ids))
+        self.pending += ids
+        text = self.tokenizer.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) <= self.HOLD:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """The text still held back (the end of the output: an unfinished character as U+FFFD)."""
+        if self.utf8 is not None:
+            return self.utf8.decode(b"", final=True)
+        text, self.pending = (self.tokenizer.decode(self.pending) if self.pending else ""), []
+        return text
+
+
+def _write(text: str) -> None:
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 _SAMPLE = "python -m gptlab sample"
@@ -247,11 +290,11 @@ def _sample(args) -> int:
             out = generate(model, idx, config=config, generator=gen)
             print(tokenizer.decode(out[0].tolist()))
             continue
-        all_ids = list(ids)
-        printed = _print_stream(tokenizer, all_ids, "")
+        text = TextStream(tokenizer)
+        _write(text.add(list(ids)))
         for tok in stream(model, idx, config=config, generator=gen):
-            all_ids.append(int(tok[0, 0]))
-            printed = _print_stream(tokenizer, all_ids, printed)
+            _write(text.add([int(tok[0, 0])]))
+        _write(text.flush())
         print()
     return 0
 
