@@ -220,13 +220,64 @@ def test_lock_folder_is_exclusive_and_released(tmp_path):
     lock.release()  # idempotent
     assert not (tmp_path / "x.lock").exists()
     (tmp_path / "x.lock").write_text("")  # a creator killed between creating and writing it
-    with pytest.raises(LockError, match="unreadable lock"):
-        files.lock_folder(tmp_path, "x.lock")
     old = os.stat(tmp_path / "x.lock").st_mtime - 60
     os.utime(tmp_path / "x.lock", (old, old))
     with files.lock_folder(tmp_path, "x.lock"):
         pass
     assert not (tmp_path / "x.lock").exists()
+
+
+def test_an_empty_lock_of_no_process_is_taken_over(tmp_path, capsys):
+    """A 0-byte lock (an older gptlab's creator that ran out of disk space or was killed before
+    writing its record) holds no live process: the next run waits out the few seconds a writer
+    could still be writing it, then takes it over, with a note; it is never refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_bytes(b"")
+    train(small(), out)
+    assert "took over the stale lock" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # released, nothing left
+
+
+def test_a_lock_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Another process never reads a half-written lock: it is written beside and linked into place."""
+    seen = []
+    real = os.link
+
+    def link(src, dst, **kw):
+        seen.append(Path(src).read_text())
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    with files.lock_folder(tmp_path, "x.lock", purpose="test") as lock:
+        assert json.loads(seen[0]) == lock.owner
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_locking_leaves_no_lock(tmp_path, monkeypatch, capsys):
+    """``train`` on a full disk: one line saying so (exit 1), no lock file left behind (it was
+    left empty, and every later run refused as "in use by another training run"), and the next
+    run, once there is space, trains."""
+    import errno
+
+    out = tmp_path / "run"
+    out.mkdir()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        files.lock_folder(out, LOCK_FILE)
+    assert list(out.iterdir()) == []
+    assert main(["train", *CLI, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no space left on the device" in err, err
+    assert list(out.iterdir()) == []
+    monkeypatch.undo()
+    assert main(["train", *CLI, "--out", str(out)]) == 0
+    assert "in use" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ signals
