@@ -341,6 +341,71 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path, capsys):
         train(cfg.with_overrides(max_steps=14), out, resume=True)
 
 
+@pytest.mark.parametrize("damage", ["cut", "emptied", "deleted"])
+@pytest.mark.parametrize("log", ["metrics.jsonl", "train_log.jsonl"])
+def test_a_log_that_lost_rows_is_refused_on_resume(tmp_path, capsys, damage, log):
+    """A log cut at a line boundary, emptied or deleted after the checkpoint: --resume refuses,
+    naming the file and what it lost (it went on silently, the earlier steps gone from the record,
+    the plot and the summary's best validation loss), and the files stay as they were."""
+    cfg = small(log_interval=2)
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    path = out / log
+    lines = path.read_text().splitlines(keepends=True)
+    if damage == "cut":
+        path.write_text("".join(lines[:-1]))
+    elif damage == "emptied":
+        path.write_text("")
+    else:
+        path.unlink()
+    before = snapshot(out)
+    with pytest.raises(RunFolderError, match=rf"cannot resume .*{log} (holds \d+ row|is missing).*checkpoint at "
+                                             rf"step 8 was saved when it held {len(lines)} row"):
+        train(cfg, out, resume=True)
+    assert main(["train", *CLI, "--set", "log_interval=2", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("gptlab train: error: cannot resume"), err
+    assert snapshot(out) == before
+
+
+def test_an_older_checkpoint_without_row_counts_checks_its_last_evaluation(tmp_path, monkeypatch):
+    """A checkpoint written before the row counts records the last evaluation's row: a
+    metrics.jsonl without it is refused too."""
+    from gptlab.train.checkpoint import TRAIN_STATE_FILE
+
+    cfg = small()
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    ckpt = out / "ckpt"
+    state = json.loads((ckpt / TRAIN_STATE_FILE).read_text())
+    del state["metrics_rows"], state["log_rows"]
+    (ckpt / TRAIN_STATE_FILE).write_text(json.dumps(state))
+    monkeypatch.setenv("GPTLAB_VERIFY_CHECKPOINTS", "0")  # the edit breaks the manifest's hash
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text().splitlines(keepends=True)[0])
+    with pytest.raises(RunFolderError, match=r"saved when it held a row at step 6"):
+        train(cfg, out, resume=True)
+
+
+@pytest.mark.parametrize("row, message", [
+    ("{}", r'line 2: every row needs the integer step it was written at \("step": 50\), got no "step"'),
+    ('{"step": "50", "val_loss": 3.0}', r'line 2: every row needs the integer step .*got "step": "50"'),
+    ("[1, 2]", r"line 2: not a JSON object"),
+])
+def test_a_row_without_an_integer_step_names_the_file_and_line(tmp_path, capsys, row, message):
+    cfg = small()
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text(lines[0] + row + "\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match=rf"metrics.jsonl, {message}"):
+        train(cfg, out, resume=True)
+    with pytest.raises(ValueError, match=rf"metrics.jsonl, {message}"):
+        read_metrics(out / "metrics.jsonl")
+    assert main(["train", *CLI, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "metrics.jsonl, line 2" in err, err
+
+
 def test_temporary_folders_of_killed_saves_are_removed_at_the_next_save(tmp_path):
     out = tmp_path / "run"
     train(small(max_steps=6), out)

@@ -143,8 +143,12 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         restore_streams(state, self.dist, self.generator, self.cfg.seed, self.step)
         # rows past the checkpoint's step (written after its last save) are dropped: fit rewrites both files
-        self.rows, torn = rows_to_resume(self.metrics_path, self.step)
-        self.log_rows, torn_log = rows_to_resume(self.log_path, self.step)
+        # how many rows the logs held at the save (older checkpoints record only the last evaluation's row)
+        counts = {k: state.get(k) for k in ("metrics_rows", "log_rows") if isinstance(state.get(k), int)}
+        last = state.get("metrics")
+        self.rows, torn = rows_to_resume(self.metrics_path, self.step, counts.get("metrics_rows"),
+                                         last.get("step") if isinstance(last, dict) else None)
+        self.log_rows, torn_log = rows_to_resume(self.log_path, self.step, counts.get("log_rows"))
         self.dropped_bytes += torn + torn_log
 
     # ---- the checkpoint
@@ -166,6 +170,8 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "config": self.cfg.to_dict(),
                 "metrics": self.rows[-1] if self.rows else None,
+                "metrics_rows": len(self.rows),  # what the logs hold now: a resume refuses logs that lost rows
+                "log_rows": len(self.log_rows),
             }
             if self.folder.claimed:  # this run holds the folder's lock: no other process saves here
                 remove_stale_temps(self.ckpt_dir, all_but_mine=True)
