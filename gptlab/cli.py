@@ -44,7 +44,7 @@ from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
 from .train import RECIPES, get_recipe, train
 from .train.loop import TrainingInterrupted
-from .train.run_folder import RunFolderError, has_checkpoint, overwrite_backup
+from .train.run_folder import RunFolderError, check_out_dir, has_checkpoint, overwrite_backup
 
 __all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command", "TextStream"]
 
@@ -69,7 +69,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if args.names:
         unknown = [n for n in args.names if n not in available]
         if unknown:
-            raise SystemExit(f"unknown asset(s) {unknown}; available: {sorted(available)}")
+            print(f"python -m gptlab fetch: error: unknown asset(s) {', '.join(unknown)}; available: "
+                  f"{', '.join(sorted(available))}", file=sys.stderr)
+            return 2
         names = list(args.names)
     elif args.all:
         names = list(available)
@@ -454,7 +456,45 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- python -m gptlab course
 
 
+def _not_a_folder(path: Path) -> Path | None:
+    """The nearest existing folder-to-be of ``path`` that is a file (``a-file`` in ``a-file/g.csv``),
+    or None: the folders above ``path`` exist, or can be made."""
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def _check_db(db: str) -> None:
+    """``--db``: a path whose folder exists, or a database URL SQLAlchemy can use (``sqlite:///...``);
+    a :class:`CourseError` saying which otherwise (SQLAlchemy's tracebacks named neither)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    example = "a path such as gradebook.db, or a URL such as sqlite:////abs/path/gradebook.db"
+    path = Path(db).expanduser()
+    if "://" in db:
+        try:
+            url = make_url(db)
+            url.get_dialect()
+        except NoSuchModuleError:  # an ArgumentError too
+            raise CourseError(f"--db {db!r}: SQLAlchemy knows no database kind {url.drivername!r}; give "
+                              f"{example}") from None
+        except ArgumentError:
+            raise CourseError(f"--db {db!r} is neither a file path nor a database URL: give {example}") from None
+        if url.drivername.split("+")[0] != "sqlite" or not url.database or url.database == ":memory:":
+            return
+        path = Path(url.database).expanduser()
+    if path.is_dir():
+        raise CourseError(f"--db {db}: {path} is a folder; give the gradebook file in it, e.g. {path / 'gradebook.db'}")
+    folder = path.parent.resolve()
+    if not folder.is_dir():
+        raise CourseError(f"--db {db}: the folder {folder} does not exist; create it, or give {example}")
+
+
 def _course(args) -> Course:
+    if args.db is not None:
+        _check_db(args.db)
     return Course(Path(args.course) if args.course else find_course(), args.db)
 
 
@@ -496,6 +536,9 @@ def _cmd_collect(args) -> int:
 
 
 def _cmd_autograde(args) -> int:
+    if args.timeout is not None and args.timeout < 1:
+        raise CourseError(f"--timeout must be a positive number of seconds per cell, got {args.timeout} (without "
+                          "--timeout, nbgrader_config.py's Execute.timeout applies)")
     course = _course(args)
     assignments = course.assignments(args.assignments)
     results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
@@ -526,6 +569,9 @@ def _cmd_grades(args) -> int:
     out = Path(args.output) if args.output else course.root / "grades.csv"
     if out.is_dir():
         raise CourseError(f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}")
+    blocker = _not_a_folder(out)
+    if blocker is not None:
+        raise CourseError(f"--output {out}: {blocker} is a file, not a folder; give a path in a folder")
     header, rows = write_grades(course, out, args.assignments or None)
     print(f"{len(rows)} student(s), {len(header) - 2} column(s) of scores -> {out}")
     return 0
@@ -619,8 +665,9 @@ _VALUE_OPTIONS = ("max_steps", "batch_size", "lr", "eval_interval", "log_interva
 
 
 def _check_resume(args: argparse.Namespace) -> None:
-    """``--resume`` needs a checkpoint to resume from: refuse rather than start again at step 0."""
-    out = Path(args.out)
+    """``--out`` must name a folder, and ``--resume`` needs a checkpoint to resume from: refuse
+    rather than start again at step 0."""
+    out = check_out_dir(args.out)
     if args.resume and not (has_checkpoint(out) or has_checkpoint(overwrite_backup(out))):
         raise RunFolderError(f"cannot resume {out}: it holds no checkpoint ({out / 'ckpt'} is missing); "
                              f"to start a new run there, leave out --resume")

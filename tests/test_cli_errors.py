@@ -192,3 +192,88 @@ def test_help_states_a_default_at_most_once_per_option(argv, capsys):
     options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
     for text in options:
         assert " ".join(text.split()).count("(default") <= 1, text
+
+
+# --------------------------------------------------------------------------- issue 34: more rough edges
+
+TRAIN = ["train", "--recipe", "tiny", "--max-steps", "2", "--no-progress", "--num-threads", "1"]
+
+
+def test_train_out_empty_is_refused(tmp_path, monkeypatch, capsys):
+    """``--out ""`` trained into the current folder without a word."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run([*TRAIN, "--out", ""], capsys)
+    assert rc == 2
+    assert "gptlab train: error: the output folder (--out, out_dir) is an empty string" in _one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
+def test_train_out_a_file_is_one_line(tmp_path, capsys, under):
+    """``--out FILE`` (or ``FILE/run``) ended in a FileExistsError (NotADirectoryError) traceback."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    out = f / "run" if under else f
+    rc, _, err = _run([*TRAIN, "--out", str(out)], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("gptlab train: error: the output folder ")
+    assert (f"{f} is a file, not a folder" if under else f"{f} is a file; give a folder") in line
+    assert f.read_text() == "mine"
+    with pytest.raises(ValueError, match="is a file"):  # the library says the same
+        from gptlab.train import get_recipe, train
+
+        train(get_recipe("tiny", max_steps=2, progress=False), out)
+
+
+@pytest.fixture
+def course_dir(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    root = tmp_path / "course"
+    root.mkdir()
+    shutil.copy(Path(__file__).resolve().parent.parent / "nbgrader_config.py", root)
+    return root
+
+
+def test_course_grades_output_under_a_file(course_dir, tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--output", str(f / "g.csv")], capsys)
+    assert rc == 2
+    assert f"--output {f / 'g.csv'}: {f} is a file, not a folder" in _one_line_error(err)
+    assert f.read_text() == "mine"
+
+
+@pytest.mark.parametrize("db, message", [
+    ("{tmp}/missing/g.db", "the folder {tmp}/missing does not exist"),
+    ("sqlite:///{tmp}/missing/g.db", "the folder {tmp}/missing does not exist"),
+    ("nonsense://x", "SQLAlchemy knows no database kind 'nonsense'"),
+    ("://x", "is neither a file path nor a database URL"),
+    ("{tmp}", "is a folder; give the gradebook file in it"),
+])
+def test_course_grades_db_that_cannot_be_a_gradebook(course_dir, tmp_path, capsys, db, message):
+    """``--db`` with a missing folder or a nonsense URL ended in SQLAlchemy tracebacks."""
+    db, message = db.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--db", db,
+                       "--output", str(tmp_path / "g.csv")], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("python -m gptlab course: error: --db ") and message in line, line
+    assert not (tmp_path / "g.csv").exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5"])
+def test_course_autograde_timeout_must_be_positive(course_dir, capsys, timeout):
+    """``--timeout 0`` (or below) silently removed the per-cell time limit."""
+    rc, _, err = _run(["course", "autograde", "--course", str(course_dir), "--timeout", timeout], capsys)
+    assert rc == 2
+    assert f"--timeout must be a positive number of seconds per cell, got {timeout}" in _one_line_error(err)
+
+
+def test_fetch_an_unknown_asset_is_one_line_exit_2(capsys):
+    rc, _, err = _run(["fetch", "nope"], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("python -m gptlab fetch: error: unknown asset(s) nope; available: ")

@@ -49,7 +49,7 @@ from .distributed import all_gather_objects, all_mean, barrier, close_distribute
 from .evaluation import fixed_batch_loss, mean_cross_entropy, val_windows
 from .metrics import TrainBar, TrainLog, append_jsonl, plot_metrics, reaches_target, run_summary, write_metrics
 from .rng import rng_state
-from .run_folder import RunFolder
+from .run_folder import RunFolder, check_out_dir
 from .schedule import lr_at
 from .setup import (load_data, load_to_resume, make_optimizer, restore_streams, rows_to_resume, setup_device,
                     wrap_model)
@@ -78,7 +78,7 @@ class Trainer:
         if not isinstance(cfg, TrainConfig):
             raise TypeError(f"cfg must be a TrainConfig (see RECIPES), got {type(cfg).__name__}")
         self.cfg = cfg
-        self.out_dir = Path(out_dir)
+        self.out_dir = check_out_dir(out_dir)  # not "" (the current folder, unasked), a file, or under one
         self.ckpt_dir = self.out_dir / "ckpt"
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.log_path = self.out_dir / "train_log.jsonl"
