@@ -15,6 +15,7 @@ import argparse
 import codecs
 import errno
 import json
+import math
 import os
 import shlex
 import signal
@@ -44,7 +45,7 @@ from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
 from .train import RECIPES, get_recipe, train
 from .train.loop import TrainingInterrupted
-from .train.run_folder import RunFolderError, check_out_dir, has_checkpoint, overwrite_backup
+from .train.run_folder import RunFolderError, check_out_dir, check_run_folder, has_checkpoint, overwrite_backup
 
 __all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command", "TextStream"]
 
@@ -434,6 +435,122 @@ def _bench_autograde_arguments(parser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
 
 
+# --------------------------------------------------------------------------- bench: every option checked up front
+
+
+def _at_least(option: str, value: int | None, least: int) -> None:
+    if value is not None and value < least:
+        raise _UsageError(f"{option} must be >= {least}, got {value}")
+
+
+def _positive(option: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise _UsageError(f"{option} must be a positive number, got {value}")
+
+
+def _numbers(option: str, text: str, kind: type, least: float, most: float | None = None, *,
+             empty: bool = False) -> list:
+    """A comma-separated list of ``kind`` (int or float) in [least, most]; ``empty``: '' allowed."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    what = "integers" if kind is int else "numbers"
+    bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
+    either = " (or empty)" if empty else ""
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        raise _UsageError(f"{option} must be comma-separated {what} {bounds}{either}, got {text!r}") from None
+    bad = [v for v in values if not (math.isfinite(v) and v >= least and (most is None or v <= most))]
+    if bad or not (values or empty):
+        raise _UsageError(f"{option} must be comma-separated {what} {bounds}{either}, got {text!r}")
+    return values
+
+
+def _device_option(option: str, name: str | None) -> None:
+    try:
+        pick_device(name)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"{option}: {e}") from None
+
+
+def _output_file(option: str, path: str | None) -> None:
+    """A file a benchmark writes at its end: not a folder, not under a file (checked before it runs)."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise _UsageError(f"{option} {path} is a folder; give a file path, e.g. {out / 'bench.json'}")
+    blocker = _not_a_folder(out)
+    if blocker is not None:
+        raise _UsageError(f"{option} {path}: {blocker} is a file, not a folder")
+
+
+def _check_bench_train(args: argparse.Namespace) -> None:
+    _positive("--target-loss", args.target_loss)
+    _at_least("--max-steps", args.max_steps, 1)
+    _device_option("--device", args.device)
+    _at_least("--num-threads", args.num_threads, 1)
+    _positive("--peak-tflops", args.peak_tflops)
+    _output_file("--json", args.json)
+    if args.out is not None:
+        try:
+            check_run_folder(check_out_dir(args.out), resume=False, overwrite=False)
+        except RunFolderError as e:
+            raise _UsageError(f"--out: {e}") from None
+
+
+def _check_bench_generate(args: argparse.Namespace) -> None:
+    if not 1 <= args.new_tokens <= 255:
+        raise _UsageError(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {args.new_tokens}")
+    _at_least("--rounds", args.rounds, 1)
+    _numbers("--lengths", args.lengths, int, 1, 255, empty=True)
+    _at_least("--threads", args.threads, 1)
+    _device_option("--device", args.device)
+    try:
+        bench_generate.mini_config(args.n_embd)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"--n-embd {args.n_embd}: {e}") from None
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
+
+
+def _check_bench_speculative(args: argparse.Namespace) -> None:
+    if args.models is not None:
+        models = Path(args.models)
+        blocker = models if models.exists() and not models.is_dir() else _not_a_folder(models)
+        if blocker is not None:
+            raise _UsageError(f"--models {args.models}: {blocker} is a file, not a folder")
+    _numbers("--gs", args.gs, int, 1)
+    most = bench_speculative.target_block_size(args.preset) - bench_speculative.PROMPT_LENGTH
+    if not 1 <= args.new_tokens <= most:
+        raise _UsageError(f"--new-tokens must be in [1, {most}] (the {args.preset} target's block size less the "
+                          f"{bench_speculative.PROMPT_LENGTH}-character prompts), got {args.new_tokens}")
+    _at_least("--prompts", args.prompts, 1)
+    _at_least("--rounds", args.rounds, 1)
+    _numbers("--temperatures", args.temperatures, float, 0)
+    _at_least("--threads", args.threads, 1)
+    _at_least("--seed", args.seed, 0)
+    _device_option("--device", args.device)
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
+
+
+def _check_bench_autograde(args: argparse.Namespace) -> None:
+    course = Path(args.course) if args.course else Path(bench_autograde.__file__).resolve().parents[2]
+    if not (course / "nbgrader_config.py").is_file() or not (course / "solutions").is_dir():
+        raise _UsageError(f"--course {course}: not a course folder (it needs nbgrader_config.py and solutions/)")
+    _at_least("--students", args.students, 0)
+    names = [a.strip() for a in args.class_assignments.split(",") if a.strip()]
+    if names:
+        try:
+            Course(course).assignments(names)
+        except CourseError as e:
+            raise _UsageError(f"--class-assignments: {e}") from None
+    _numbers("--workers", args.workers, int, 1)
+    _at_least("--blank-every", args.blank_every, 0)
+    _at_least("--timeout", args.timeout, 1)
+    _output_file("--json", args.json)
+
+
 # name -> (the module whose run(args) measures, the function adding its arguments)
 _BENCHMARKS = {
     "train": (bench_train, _bench_train_arguments),
@@ -441,6 +558,23 @@ _BENCHMARKS = {
     "speculative": (bench_speculative, _bench_speculative_arguments),
     "autograde": (bench_autograde, _bench_autograde_arguments),
 }
+# name -> the check of every option, before anything runs (a mistake: one line, exit 2)
+_BENCH_CHECKS = {"train": _check_bench_train, "generate": _check_bench_generate,
+                 "speculative": _check_bench_speculative, "autograde": _check_bench_autograde}
+
+
+def _checked_bench(name: str, run):
+    """``run(args)`` of the benchmark ``name``, after :data:`_BENCH_CHECKS` checked its options."""
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            _BENCH_CHECKS[name](args)
+        except _UsageError as e:
+            print(f"python -m gptlab bench {name}: error: {e}", file=sys.stderr)
+            return 2
+        return run(args)
+
+    return command
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -450,7 +584,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         doc = (module.__doc__ or "").strip()
         bp = sub.add_parser(name, help=doc.splitlines()[0] if doc else None, formatter_class=_DefaultsFormatter)
         arguments(bp)
-        bp.set_defaults(func=module.run)
+        bp.set_defaults(func=_checked_bench(name, module.run))
 
 
 # --------------------------------------------------------------------------- python -m gptlab course

@@ -277,3 +277,79 @@ def test_fetch_an_unknown_asset_is_one_line_exit_2(capsys):
     assert rc == 2
     line = _one_line_error(err)
     assert line.startswith("python -m gptlab fetch: error: unknown asset(s) nope; available: ")
+
+
+BENCH_MISTAKES = [
+    ("train", ["--target-loss", "nan"], "--target-loss must be a positive number, got nan"),
+    ("train", ["--target-loss", "-1"], "--target-loss must be a positive number, got -1.0"),
+    ("train", ["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    ("train", ["--device", "tpu"], "--device: unknown device 'tpu'"),
+    ("train", ["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
+    ("train", ["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
+    ("train", ["--json", "{dir}"], "--json {dir} is a folder; give a file path"),
+    ("train", ["--out", "{file}"], "--out: the output folder {file} is a file"),
+    ("train", ["--out", ""], "--out: the output folder (--out, out_dir) is an empty string"),
+    ("generate", ["--new-tokens", "0"], "--new-tokens must be in [1, 255]"),
+    ("generate", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("generate", ["--lengths", "8,x"], "--lengths must be comma-separated integers in [1, 255] (or empty), got '8,x'"),
+    ("generate", ["--lengths", "8,300"], "--lengths must be comma-separated integers in [1, 255] (or empty), got '8,300'"),
+    ("generate", ["--threads", "-1"], "--threads must be >= 1, got -1"),
+    ("generate", ["--device", "nonsense"], "--device: unknown device 'nonsense'"),
+    ("generate", ["--n-embd", "7"], "--n-embd 7: "),
+    ("generate", ["--n-embd", "0"], "--n-embd 0: "),
+    ("generate", ["--plot", "{file}/sweep.png"], "--plot {file}/sweep.png: {file} is a file, not a folder"),
+    ("speculative", ["--models", "{file}"], "--models {file}: {file} is a file, not a folder"),
+    ("speculative", ["--gs", "1,x"], "--gs must be comma-separated integers >= 1, got '1,x'"),
+    ("speculative", ["--gs", "0,2"], "--gs must be comma-separated integers >= 1, got '0,2'"),
+    ("speculative", ["--gs", ""], "--gs must be comma-separated integers >= 1, got ''"),
+    ("speculative", ["--new-tokens", "200"], "--new-tokens must be in [1, 112]"),
+    ("speculative", ["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    ("speculative", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("speculative", ["--temperatures", "0,hot"], "--temperatures must be comma-separated numbers >= 0, got '0,hot'"),
+    ("speculative", ["--temperatures", "-1"], "--temperatures must be comma-separated numbers >= 0, got '-1'"),
+    ("speculative", ["--temperatures", "nan"], "--temperatures must be comma-separated numbers >= 0, got 'nan'"),
+    ("speculative", ["--threads", "0"], "--threads must be >= 1, got 0"),
+    ("speculative", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("speculative", ["--device", "tpu"], "--device: unknown device 'tpu'"),
+    ("speculative", ["--json", "{dir}"], "--json {dir} is a folder"),
+    ("autograde", ["--course", "{dir}"], "--course {dir}: not a course folder"),
+    ("autograde", ["--students", "-1"], "--students must be >= 0, got -1"),
+    ("autograde", ["--class-assignments", "causal_mask,nope"], "--class-assignments: unknown assignment(s) nope"),
+    ("autograde", ["--workers", "1,x"], "--workers must be comma-separated integers >= 1, got '1,x'"),
+    ("autograde", ["--workers", "0"], "--workers must be comma-separated integers >= 1, got '0'"),
+    ("autograde", ["--blank-every", "-1"], "--blank-every must be >= 0, got -1"),
+    ("autograde", ["--timeout", "0"], "--timeout must be >= 1, got 0"),
+    ("autograde", ["--json", "{file}/b.json"], "--json {file}/b.json: {file} is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("bench, extra, message", BENCH_MISTAKES,
+                         ids=[f"{b}{'-'.join(e)}" for b, e, _ in BENCH_MISTAKES])
+def test_bench_options_are_checked_before_it_runs(tmp_path, monkeypatch, capsys, bench, extra, message):
+    """Every bench option is checked up front: a nonsense value is one line and exit 2 before
+    anything runs (some were tracebacks, some accepted and used, or failing at the end of a run)."""
+    import gptlab.cli as cli
+
+    for module, _ in cli._BENCHMARKS.values():
+        monkeypatch.setattr(module, "run", lambda args: pytest.fail("the benchmark ran"))
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    fill = {"file": str(f), "dir": str(tmp_path)}
+    extra = [a.format(**fill) for a in extra]
+    rc, _, err = _run(["bench", bench, *extra], capsys)
+    assert rc == 2, err
+    line = _one_line_error(err)
+    assert line.startswith(f"python -m gptlab bench {bench}: error: ") and message.format(**fill) in line, line
+    assert f.read_text() == "mine"
+
+
+def test_every_benchmark_has_its_options_checked(monkeypatch, capsys):
+    import gptlab.cli as cli
+
+    assert set(cli._BENCH_CHECKS) == set(cli._BENCHMARKS)
+    ran = []
+    for name, (module, _) in cli._BENCHMARKS.items():
+        monkeypatch.setattr(module, "run", lambda args, name=name: ran.append(name) or 0)
+    for name in cli._BENCHMARKS:  # the defaults pass
+        assert main(["bench", name]) == 0, capsys.readouterr().err
+    assert ran == list(cli._BENCHMARKS)
