@@ -353,3 +353,31 @@ def test_every_benchmark_has_its_options_checked(monkeypatch, capsys):
     for name in cli._BENCHMARKS:  # the defaults pass
         assert main(["bench", name]) == 0, capsys.readouterr().err
     assert ran == list(cli._BENCHMARKS)
+
+
+STOP_AT_IMPORT = r"""
+import os, sys
+class _Stop:  # Ctrl-C at the moment STOP_AT is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["STOP_AT"]:
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, _Stop())
+"""
+
+
+@pytest.mark.parametrize("stop_at", ["torch", "gptlab.course"], ids=["importing-gptlab", "importing-the-cli"])
+def test_ctrl_c_while_train_imports_is_one_line(tmp_path, stop_at):
+    """Ctrl-C in the first second of ``python -m gptlab train`` (torch being imported, by the
+    package or by the command line's modules) printed a KeyboardInterrupt traceback."""
+    import os
+    import signal
+
+    (tmp_path / "sitecustomize.py").write_text(STOP_AT_IMPORT)
+    env = {**os.environ, "STOP_AT": stop_at,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "gptlab", "train", "--recipe", "tiny", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode in (130, -signal.SIGINT)  # the shell's $? is 130 either way
+    assert r.stderr.strip() == "gptlab train: interrupted before training started; nothing was written", r.stderr
+    assert not (tmp_path / "run").exists()
