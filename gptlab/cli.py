@@ -151,6 +151,7 @@ class TextStream:
 
 
 def _write(text: str) -> None:
+    """Print ``text`` at once (no newline), if there is any."""
     if text:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -161,8 +162,8 @@ _DEFAULT_MAX_NEW_TOKENS = 500
 
 
 class _UsageError(Exception):
-    """A mistake in ``sample``'s arguments (a bad value, a missing checkpoint, a prompt the
-    tokenizer cannot encode): one line on stderr, exit status 2."""
+    """A mistake in the arguments of ``sample`` or ``bench`` (a bad value, a missing checkpoint, a
+    prompt the tokenizer cannot encode): one line on stderr, exit status 2."""
 
 
 def _option_error(e: Exception) -> _UsageError:

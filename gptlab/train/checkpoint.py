@@ -522,7 +522,7 @@ def _identity(path: str | os.PathLike) -> tuple | None:
         ckpt = resolve_checkpoint(path)
         st = os.stat(ckpt)
         return str(ckpt), st.st_dev, st.st_ino, st.st_ctime_ns, (ckpt / CONFIG_FILE).read_bytes()
-    except (OSError, CheckpointError):
+    except (FileNotFoundError, CheckpointError):
         return None
 
 
@@ -537,15 +537,17 @@ def _read_unchanged(path: str | os.PathLike, read: Any) -> Any:
     only when the checkpoint did not change while it was read.
     """
     for _ in range(_READ_TRIES):
-        ckpt = resolve_checkpoint(path)
         before = _identity(path)
+        if before is None:
+            resolve_checkpoint(path)  # no checkpoint there: its error says what is expected
+            continue  # one was being swapped in: look again
         try:
-            result = read(ckpt)
+            result = read(Path(before[0]))  # the very folder identified
         except (CheckpointError, OSError):
-            if before is not None and _identity(path) == before:
+            if _identity(path) == before:
                 raise  # the same checkpoint throughout: the error is its own
             continue
-        if before is not None and _identity(path) == before:
+        if _identity(path) == before:
             return result
     raise CheckpointError(f"{path}: the checkpoint was replaced by a new save each of the {_READ_TRIES} times it "
                           "was read (a training run saving it very often?); try again")
