@@ -34,7 +34,6 @@ import contextlib
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
