@@ -12,8 +12,10 @@ This module turns arguments into calls of the library (:mod:`gptlab.data`,
 from __future__ import annotations
 
 import argparse
+import codecs
 import errno
 import json
+import math
 import os
 import shlex
 import signal
@@ -43,9 +45,9 @@ from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
 from .train import RECIPES, get_recipe, train
 from .train.loop import TrainingInterrupted
-from .train.run_folder import RunFolderError, has_checkpoint, overwrite_backup
+from .train.run_folder import RunFolderError, check_out_dir, check_run_folder, has_checkpoint, overwrite_backup
 
-__all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command"]
+__all__ = ["build_parser", "main", "cmd_fetch", "cmd_train", "cmd_sample", "resume_command", "TextStream"]
 
 
 # --------------------------------------------------------------------------- python -m gptlab fetch
@@ -68,7 +70,9 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     if args.names:
         unknown = [n for n in args.names if n not in available]
         if unknown:
-            raise SystemExit(f"unknown asset(s) {unknown}; available: {sorted(available)}")
+            print(f"python -m gptlab fetch: error: unknown asset(s) {', '.join(unknown)}; available: "
+                  f"{', '.join(sorted(available))}", file=sys.stderr)
+            return 2
         names = list(args.names)
     elif args.all:
         names = list(available)
@@ -99,15 +103,58 @@ def _fetch_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- python -m gptlab sample
 
 
-def _print_stream(tokenizer, ids: list[int], printed: str) -> str:
-    """Print the part of decode(ids) not printed yet (holding back a partial UTF-8 character)."""
-    text = tokenizer.decode(ids)
-    if text.endswith("\ufffd"):
-        return printed
-    new = text[len(printed):] if text.startswith(printed) else text
-    sys.stdout.write(new)
-    sys.stdout.flush()
-    return text
+class TextStream:
+    """Token ids -> text as they come, each token decoded once: the cost of a token does not grow
+    with the text before it (``sample`` streams 100,000 tokens at the speed of the first ten).
+
+    A tokenizer that exposes the bytes of its tokens (``decode_bytes`` or ``token_bytes``: byte-level
+    BPE) goes through an incremental UTF-8 decoder, which holds back the bytes of a character split
+    across tokens until its last byte comes; any other (characters) decodes the ids not printed yet,
+    holding them back while their text ends in U+FFFD. Either way the pieces joined are exactly
+    ``tokenizer.decode(all ids)``.
+    """
+
+    HOLD = 8  # ids held back at most while their text ends in U+FFFD (a character is at most 4 bytes)
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pending: list[int] = []
+        self.bytes_of = getattr(tokenizer, "decode_bytes", None)
+        if self.bytes_of is None and callable(getattr(tokenizer, "token_bytes", None)):
+            self.bytes_of = self._token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace") if self.bytes_of else None
+
+    def _token_bytes(self, ids: list[int]) -> bytes:
+        n = self.tokenizer.vocab_size
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is out of range for vocab_size {n}")
+        return b"".join(self.tokenizer.token_bytes(i) for i in ids)
+
+    def add(self, ids: list[int]) -> str:
+        """The text that ``ids`` (the next ones) complete: possibly empty, while a character is split."""
+        if self.utf8 is not None:
+            return self.utf8.decode(self.bytes_of(ids))
+        self.pending += ids
+        text = self.tokenizer.decode(self.pending)
+        if text.endswith("\ufffd") and len(self.pending) <= self.HOLD:
+            return ""
+        self.pending = []
+        return text
+
+    def flush(self) -> str:
+        """The text still held back (the end of the output: an unfinished character as U+FFFD)."""
+        if self.utf8 is not None:
+            return self.utf8.decode(b"", final=True)
+        text, self.pending = (self.tokenizer.decode(self.pending) if self.pending else ""), []
+        return text
+
+
+def _write(text: str) -> None:
+    """Print ``text`` at once (no newline), if there is any."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 _SAMPLE = "python -m gptlab sample"
@@ -115,8 +162,8 @@ _DEFAULT_MAX_NEW_TOKENS = 500
 
 
 class _UsageError(Exception):
-    """A mistake in ``sample``'s arguments (a bad value, a missing checkpoint, a prompt the
-    tokenizer cannot encode): one line on stderr, exit status 2."""
+    """A mistake in the arguments of ``sample`` or ``bench`` (a bad value, a missing checkpoint, a
+    prompt the tokenizer cannot encode): one line on stderr, exit status 2."""
 
 
 def _option_error(e: Exception) -> _UsageError:
@@ -247,11 +294,11 @@ def _sample(args) -> int:
             out = generate(model, idx, config=config, generator=gen)
             print(tokenizer.decode(out[0].tolist()))
             continue
-        all_ids = list(ids)
-        printed = _print_stream(tokenizer, all_ids, "")
+        text = TextStream(tokenizer)
+        _write(text.add(list(ids)))
         for tok in stream(model, idx, config=config, generator=gen):
-            all_ids.append(int(tok[0, 0]))
-            printed = _print_stream(tokenizer, all_ids, printed)
+            _write(text.add([int(tok[0, 0])]))
+        _write(text.flush())
         print()
     return 0
 
@@ -393,6 +440,122 @@ def _bench_autograde_arguments(parser) -> None:
     parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
 
 
+# --------------------------------------------------------------------------- bench: every option checked up front
+
+
+def _at_least(option: str, value: int | None, least: int) -> None:
+    if value is not None and value < least:
+        raise _UsageError(f"{option} must be >= {least}, got {value}")
+
+
+def _positive(option: str, value: float | None) -> None:
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise _UsageError(f"{option} must be a positive number, got {value}")
+
+
+def _numbers(option: str, text: str, kind: type, least: float, most: float | None = None, *,
+             empty: bool = False) -> list:
+    """A comma-separated list of ``kind`` (int or float) in [least, most]; ``empty``: '' allowed."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    what = "integers" if kind is int else "numbers"
+    bounds = f">= {least}" if most is None else f"in [{least}, {most}]"
+    either = " (or empty)" if empty else ""
+    try:
+        values = [kind(t) for t in items]
+    except ValueError:
+        raise _UsageError(f"{option} must be comma-separated {what} {bounds}{either}, got {text!r}") from None
+    bad = [v for v in values if not (math.isfinite(v) and v >= least and (most is None or v <= most))]
+    if bad or not (values or empty):
+        raise _UsageError(f"{option} must be comma-separated {what} {bounds}{either}, got {text!r}")
+    return values
+
+
+def _device_option(option: str, name: str | None) -> None:
+    try:
+        pick_device(name)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"{option}: {e}") from None
+
+
+def _output_file(option: str, path: str | None) -> None:
+    """A file a benchmark writes at its end: not a folder, not under a file (checked before it runs)."""
+    if not path:
+        return
+    out = Path(path)
+    if out.is_dir():
+        raise _UsageError(f"{option} {path} is a folder; give a file path, e.g. {out / 'bench.json'}")
+    blocker = _not_a_folder(out)
+    if blocker is not None:
+        raise _UsageError(f"{option} {path}: {blocker} is a file, not a folder")
+
+
+def _check_bench_train(args: argparse.Namespace) -> None:
+    _positive("--target-loss", args.target_loss)
+    _at_least("--max-steps", args.max_steps, 1)
+    _device_option("--device", args.device)
+    _at_least("--num-threads", args.num_threads, 1)
+    _positive("--peak-tflops", args.peak_tflops)
+    _output_file("--json", args.json)
+    if args.out is not None:
+        try:
+            check_run_folder(check_out_dir(args.out), resume=False, overwrite=False)
+        except RunFolderError as e:
+            raise _UsageError(f"--out: {e}") from None
+
+
+def _check_bench_generate(args: argparse.Namespace) -> None:
+    if not 1 <= args.new_tokens <= 255:
+        raise _UsageError(f"--new-tokens must be in [1, 255] (block 256, 1-token prompt), got {args.new_tokens}")
+    _at_least("--rounds", args.rounds, 1)
+    _numbers("--lengths", args.lengths, int, 1, 255, empty=True)
+    _at_least("--threads", args.threads, 1)
+    _device_option("--device", args.device)
+    try:
+        bench_generate.mini_config(args.n_embd)
+    except (TypeError, ValueError) as e:
+        raise _UsageError(f"--n-embd {args.n_embd}: {e}") from None
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
+
+
+def _check_bench_speculative(args: argparse.Namespace) -> None:
+    if args.models is not None:
+        models = Path(args.models)
+        blocker = models if models.exists() and not models.is_dir() else _not_a_folder(models)
+        if blocker is not None:
+            raise _UsageError(f"--models {args.models}: {blocker} is a file, not a folder")
+    _numbers("--gs", args.gs, int, 1)
+    most = bench_speculative.target_block_size(args.preset) - bench_speculative.PROMPT_LENGTH
+    if not 1 <= args.new_tokens <= most:
+        raise _UsageError(f"--new-tokens must be in [1, {most}] (the {args.preset} target's block size less the "
+                          f"{bench_speculative.PROMPT_LENGTH}-character prompts), got {args.new_tokens}")
+    _at_least("--prompts", args.prompts, 1)
+    _at_least("--rounds", args.rounds, 1)
+    _numbers("--temperatures", args.temperatures, float, 0)
+    _at_least("--threads", args.threads, 1)
+    _at_least("--seed", args.seed, 0)
+    _device_option("--device", args.device)
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
+
+
+def _check_bench_autograde(args: argparse.Namespace) -> None:
+    course = Path(args.course) if args.course else Path(bench_autograde.__file__).resolve().parents[2]
+    if not (course / "nbgrader_config.py").is_file() or not (course / "solutions").is_dir():
+        raise _UsageError(f"--course {course}: not a course folder (it needs nbgrader_config.py and solutions/)")
+    _at_least("--students", args.students, 0)
+    names = [a.strip() for a in args.class_assignments.split(",") if a.strip()]
+    if names:
+        try:
+            Course(course).assignments(names)
+        except CourseError as e:
+            raise _UsageError(f"--class-assignments: {e}") from None
+    _numbers("--workers", args.workers, int, 1)
+    _at_least("--blank-every", args.blank_every, 0)
+    _at_least("--timeout", args.timeout, 1)
+    _output_file("--json", args.json)
+
+
 # name -> (the module whose run(args) measures, the function adding its arguments)
 _BENCHMARKS = {
     "train": (bench_train, _bench_train_arguments),
@@ -400,6 +563,23 @@ _BENCHMARKS = {
     "speculative": (bench_speculative, _bench_speculative_arguments),
     "autograde": (bench_autograde, _bench_autograde_arguments),
 }
+# name -> the check of every option, before anything runs (a mistake: one line, exit 2)
+_BENCH_CHECKS = {"train": _check_bench_train, "generate": _check_bench_generate,
+                 "speculative": _check_bench_speculative, "autograde": _check_bench_autograde}
+
+
+def _checked_bench(name: str, run):
+    """``run(args)`` of the benchmark ``name``, after :data:`_BENCH_CHECKS` checked its options."""
+
+    def command(args: argparse.Namespace) -> int:
+        try:
+            _BENCH_CHECKS[name](args)
+        except _UsageError as e:
+            print(f"python -m gptlab bench {name}: error: {e}", file=sys.stderr)
+            return 2
+        return run(args)
+
+    return command
 
 
 def _bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -409,13 +589,51 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
         doc = (module.__doc__ or "").strip()
         bp = sub.add_parser(name, help=doc.splitlines()[0] if doc else None, formatter_class=_DefaultsFormatter)
         arguments(bp)
-        bp.set_defaults(func=module.run)
+        bp.set_defaults(func=_checked_bench(name, module.run))
 
 
 # --------------------------------------------------------------------------- python -m gptlab course
 
 
+def _not_a_folder(path: Path) -> Path | None:
+    """The nearest existing folder-to-be of ``path`` that is a file (``a-file`` in ``a-file/g.csv``),
+    or None: the folders above ``path`` exist, or can be made."""
+    for parent in path.parents:
+        if parent.exists():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def _check_db(db: str) -> None:
+    """``--db``: a path whose folder exists, or a database URL SQLAlchemy can use (``sqlite:///...``);
+    a :class:`CourseError` saying which otherwise (SQLAlchemy's tracebacks named neither)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    example = "a path such as gradebook.db, or a URL such as sqlite:////abs/path/gradebook.db"
+    path = Path(db).expanduser()
+    if "://" in db:
+        try:
+            url = make_url(db)
+            url.get_dialect()
+        except NoSuchModuleError:  # an ArgumentError too
+            raise CourseError(f"--db {db!r}: SQLAlchemy knows no database kind {url.drivername!r}; give "
+                              f"{example}") from None
+        except ArgumentError:
+            raise CourseError(f"--db {db!r} is neither a file path nor a database URL: give {example}") from None
+        if url.drivername.split("+")[0] != "sqlite" or not url.database or url.database == ":memory:":
+            return
+        path = Path(url.database).expanduser()
+    if path.is_dir():
+        raise CourseError(f"--db {db}: {path} is a folder; give the gradebook file in it, e.g. {path / 'gradebook.db'}")
+    folder = path.parent.resolve()
+    if not folder.is_dir():
+        raise CourseError(f"--db {db}: the folder {folder} does not exist; create it, or give {example}")
+
+
 def _course(args) -> Course:
+    if args.db is not None:
+        _check_db(args.db)
     return Course(Path(args.course) if args.course else find_course(), args.db)
 
 
@@ -457,6 +675,9 @@ def _cmd_collect(args) -> int:
 
 
 def _cmd_autograde(args) -> int:
+    if args.timeout is not None and args.timeout < 1:
+        raise CourseError(f"--timeout must be a positive number of seconds per cell, got {args.timeout} (without "
+                          "--timeout, nbgrader_config.py's Execute.timeout applies)")
     course = _course(args)
     assignments = course.assignments(args.assignments)
     results = autograde(course, assignments, args.student or None, args.workers, args.timeout,
@@ -574,6 +795,9 @@ def _cmd_grades(args) -> int:
     out = Path(args.output) if args.output else course.root / "grades.csv"
     if out.is_dir():
         raise CourseError(f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}")
+    blocker = _not_a_folder(out)
+    if blocker is not None:
+        raise CourseError(f"--output {out}: {blocker} is a file, not a folder; give a path in a folder")
     header, rows = write_grades(course, out, args.assignments or None)
     print(f"{len(rows)} student(s), {len(header) - 2} column(s) of scores -> {out}")
     return 0
@@ -725,8 +949,9 @@ _VALUE_OPTIONS = ("max_steps", "batch_size", "lr", "eval_interval", "log_interva
 
 
 def _check_resume(args: argparse.Namespace) -> None:
-    """``--resume`` needs a checkpoint to resume from: refuse rather than start again at step 0."""
-    out = Path(args.out)
+    """``--out`` must name a folder, and ``--resume`` needs a checkpoint to resume from: refuse
+    rather than start again at step 0."""
+    out = check_out_dir(args.out)
     if args.resume and not (has_checkpoint(out) or has_checkpoint(overwrite_backup(out))):
         raise RunFolderError(f"cannot resume {out}: it holds no checkpoint ({out / 'ckpt'} is missing); "
                              f"to start a new run there, leave out --resume")

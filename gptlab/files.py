@@ -9,13 +9,15 @@ name holds its creator's host and process id, so that one left behind by a kille
 recognised and removed at the next save (:func:`remove_stale_temps`).
 
 :func:`lock_folder` keeps a folder to one writer at a time (a training run's output folder): a
-lock file created atomically (``O_CREAT | O_EXCL``) holding the owner's pid and host; a lock
-whose process is gone is taken over, one whose process lives refuses with :class:`LockError`.
+lock file holding the owner's pid and host, created whole and only if there is none (written
+beside it, then hard-linked into place); a lock whose process is gone, or an empty one that no
+process is writing, is taken over, one whose process lives refuses with :class:`LockError`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -219,7 +221,10 @@ class LockError(RuntimeError):
     """A folder is locked by another process that runs (or may run: on another machine)."""
 
 
-STALE_EMPTY_LOCK_S = 10.0  # a lock file still empty or unreadable after this is a creator killed mid-write
+STALE_EMPTY_LOCK_S = 2.0
+"""An empty or garbled lock file older than this is taken over. This module never shows one (a
+lock file appears whole: :func:`_create_exclusive`); an older gptlab, or the fallback for file
+systems without hard links, shows one for the moment between creating the file and writing it."""
 
 
 def _owner_record(purpose: str) -> dict:
@@ -227,17 +232,56 @@ def _owner_record(purpose: str) -> dict:
             "purpose": purpose}
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` to ``fd`` (every byte, however many calls it takes) and flush it to the disk."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+    os.fsync(fd)
+
+
 def _create_exclusive(path: Path, record: dict) -> bool:
-    """Create ``path`` holding ``record`` as JSON if it does not exist (atomically: ``O_EXCL``)."""
+    """Create ``path`` holding ``record`` as JSON if it does not exist; False if it does.
+
+    The record is written to a temporary file first, which is then hard-linked as ``path``
+    (``os.link`` fails if ``path`` exists): the file appears whole or not at all, so a write that
+    fails (a full disk) or a process killed meanwhile never leaves an empty lock behind. Where
+    the file system has no hard links, ``O_CREAT | O_EXCL`` and a write, the file removed again if
+    the write fails.
+    """
+    data = (json.dumps(record) + "\n").encode("utf-8")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        try:
+            if hasattr(os, "fchmod"):
+                os.fchmod(fd, 0o644)  # mkstemp's 0600 would carry over to the lock
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as e:  # no hard links here (some network and FAT file systems)
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK, errno.ENOSYS):
+                raise
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         return False
     try:
-        os.write(fd, (json.dumps(record) + "\n").encode("utf-8"))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        raise
     return True
 
 
@@ -255,14 +299,21 @@ def _read_lock(path: Path) -> tuple[str, dict | None] | None:
     return text, owner if ok else None
 
 
+def _lock_age(path: Path) -> float | None:
+    """Seconds since ``path`` last changed; None when it does not exist."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
 def _is_stale(path: Path, owner: dict | None) -> bool:
     """Whether a lock's process is certainly gone: on this machine and not running, or a lock file
-    left empty or garbled (its creator killed while writing it) for over ``STALE_EMPTY_LOCK_S``."""
+    left empty or garbled (its creator killed, or out of disk space, while writing it) for over
+    ``STALE_EMPTY_LOCK_S``."""
     if owner is None:
-        try:
-            return time.time() - path.stat().st_mtime > STALE_EMPTY_LOCK_S
-        except FileNotFoundError:
-            return False
+        age = _lock_age(path)
+        return age is not None and age > STALE_EMPTY_LOCK_S
     return owner["host"] == socket.gethostname() and owner["pid"] != os.getpid() and not pid_alive(owner["pid"])
 
 
@@ -320,8 +371,12 @@ def lock_folder(folder: str | os.PathLike, name: str = ".gptlab.lock", *, purpos
     atomically with ``O_CREAT | O_EXCL``, holds ``{"pid", "host", "since", "purpose"}``.
 
     A lock whose process is gone (same machine, pid not running) is taken over with a note on
-    stderr; a lock of a running process, of this same process, or of another machine raises
-    :class:`LockError` naming the owner and the lock file.
+    stderr, and so is an empty or garbled lock file (no process's: its creator died, or ran out of
+    disk space, while writing it) once it is ``STALE_EMPTY_LOCK_S`` old (this waits until then); a
+    lock of a running process, of this same process, or of another machine raises
+    :class:`LockError` naming the owner and the lock file. The lock file appears whole or not at
+    all (:func:`_create_exclusive`): a failed write (a full disk) raises its ``OSError`` and leaves
+    no lock behind.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -329,11 +384,19 @@ def lock_folder(folder: str | os.PathLike, name: str = ".gptlab.lock", *, purpos
     me = _owner_record(purpose)
     for _ in range(20):
         if _create_exclusive(path, me):
+            for tmp in folder.glob(f".{name}.*.tmp"):  # left by a process killed while creating a lock
+                age = _lock_age(tmp)
+                if age is not None and age > STALE_EMPTY_LOCK_S:
+                    tmp.unlink(missing_ok=True)
             return FolderLock(path, me)
         seen = _read_lock(path)
         if seen is None:
             continue  # released meanwhile: try again
         text, owner = seen
+        age = _lock_age(path)
+        if owner is None and age is not None and age <= STALE_EMPTY_LOCK_S:
+            time.sleep(STALE_EMPTY_LOCK_S - age + 0.05)  # being written, or left empty: look again once it is old
+            continue
         if not _is_stale(path, owner):
             raise LockError(
                 f"{folder} is in use by another {purpose or 'process'} ({_describe(owner)}); wait for it to end, "

@@ -246,3 +246,58 @@ def test_damaged_weights_file_names_the_file(tmp_path, damage):
             else:
                 load_checkpoint(tmp_path / "ck", tiny(), optimizer=torch.optim.AdamW(tiny().parameters()))
         f.write_bytes(good)
+
+
+# ---------------------------------------------------------------------------- a load during a save
+
+SAVER = r"""
+import sys, torch
+from gptlab.train.checkpoint import save_checkpoint
+from gptlab.model import GPT, GPTConfig
+model = GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=16))
+opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))[1].backward()
+opt.step()
+k = 0
+print("ready", flush=True)
+while True:
+    k += 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(k)
+    save_checkpoint(sys.argv[1], model, optimizer=opt, train_state={"step": k})
+"""
+
+
+@pytest.mark.slow
+def test_a_load_while_a_training_run_saves_sees_one_whole_save(tmp_path):
+    """A loader racing a process that saves the checkpoint again and again (as ``train`` with a
+    short checkpoint_interval does) gets the previous save or the new one, never a mix: no false
+    "sha256 does not match" error, and the weights are those of the save whose step it reports.
+    Before the fix 1.6% of the loads failed (the audit), and this test within its first seconds."""
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "ck"
+    saver = subprocess.Popen([sys.executable, "-c", SAVER, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert saver.stdout.readline().strip() == "ready"
+        while not (path / "config.json").exists():
+            time.sleep(0.01)
+        steps = set()
+        deadline = time.monotonic() + 8
+        loads = 0
+        while time.monotonic() < deadline or loads < 100:
+            model, _, state = load_checkpoint(path)
+            values = {float(p.detach().flatten()[0]) for p in model.parameters()}
+            assert values == {float(state["step"])}, (values, state["step"])
+            steps.add(state["step"])
+            m, _ = load_model(path)
+            assert len({float(p.detach().flatten()[0]) for p in m.parameters()}) == 1
+            loads += 1
+        assert saver.poll() is None, "the saving process ended"
+        assert len(steps) > 10  # the loads did race the saves
+    finally:
+        saver.kill()
+        saver.wait()

@@ -200,12 +200,13 @@ def test_tokenizer_larger_than_the_vocabulary(ckpt, tmp_path):
     [
         (lambda c: c.__setitem__("tied", "nope"), r"'tied' must map .*got str 'nope'"),
         (lambda c: c.__setitem__("tied", {"lm_head.weight": 3}), r"'tied' must map .*got .*3"),
+        (lambda c: c.__setitem__("tied", None), r"'tied' must map .*\{\} when none are tied\), got null None"),
         (lambda c: c["model"].__setitem__("tie_weights", "nope"), r"tie_weights must be True or False, got str 'nope'"),
         (lambda c: c["model"].__setitem__("n_layer", "2"), r"n_layer must be a positive int, got str '2'"),
         (lambda c: c["model"].__setitem__("n_layers", 2), r"unknown GPTConfig field\(s\) \['n_layers'\]"),
         (lambda c: c.__setitem__("tokenizer", {"type": "nope"}), r"unknown tokenizer type 'nope'"),
     ],
-    ids=["tied-str", "tied-int", "tie_weights", "n_layer-str", "unknown-field", "tokenizer-type"],
+    ids=["tied-str", "tied-int", "tied-null", "tie_weights", "n_layer-str", "unknown-field", "tokenizer-type"],
 )
 def test_bad_config_fields_are_one_line_naming_the_file(ckpt, edit, message):
     ck, model = ckpt

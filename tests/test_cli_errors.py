@@ -192,3 +192,192 @@ def test_help_states_a_default_at_most_once_per_option(argv, capsys):
     options = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
     for text in options:
         assert " ".join(text.split()).count("(default") <= 1, text
+
+
+# --------------------------------------------------------------------------- issue 34: more rough edges
+
+TRAIN = ["train", "--recipe", "tiny", "--max-steps", "2", "--no-progress", "--num-threads", "1"]
+
+
+def test_train_out_empty_is_refused(tmp_path, monkeypatch, capsys):
+    """``--out ""`` trained into the current folder without a word."""
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _run([*TRAIN, "--out", ""], capsys)
+    assert rc == 2
+    assert "gptlab train: error: the output folder (--out, out_dir) is an empty string" in _one_line_error(err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["a-file", "under-a-file"])
+def test_train_out_a_file_is_one_line(tmp_path, capsys, under):
+    """``--out FILE`` (or ``FILE/run``) ended in a FileExistsError (NotADirectoryError) traceback."""
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    out = f / "run" if under else f
+    rc, _, err = _run([*TRAIN, "--out", str(out)], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("gptlab train: error: the output folder ")
+    assert (f"{f} is a file, not a folder" if under else f"{f} is a file; give a folder") in line
+    assert f.read_text() == "mine"
+    with pytest.raises(ValueError, match="is a file"):  # the library says the same
+        from gptlab.train import get_recipe, train
+
+        train(get_recipe("tiny", max_steps=2, progress=False), out)
+
+
+@pytest.fixture
+def course_dir(tmp_path):
+    import shutil
+    from pathlib import Path
+
+    root = tmp_path / "course"
+    root.mkdir()
+    shutil.copy(Path(__file__).resolve().parent.parent / "nbgrader_config.py", root)
+    return root
+
+
+def test_course_grades_output_under_a_file(course_dir, tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--output", str(f / "g.csv")], capsys)
+    assert rc == 2
+    assert f"--output {f / 'g.csv'}: {f} is a file, not a folder" in _one_line_error(err)
+    assert f.read_text() == "mine"
+
+
+@pytest.mark.parametrize("db, message", [
+    ("{tmp}/missing/g.db", "the folder {tmp}/missing does not exist"),
+    ("sqlite:///{tmp}/missing/g.db", "the folder {tmp}/missing does not exist"),
+    ("nonsense://x", "SQLAlchemy knows no database kind 'nonsense'"),
+    ("://x", "is neither a file path nor a database URL"),
+    ("{tmp}", "is a folder; give the gradebook file in it"),
+])
+def test_course_grades_db_that_cannot_be_a_gradebook(course_dir, tmp_path, capsys, db, message):
+    """``--db`` with a missing folder or a nonsense URL ended in SQLAlchemy tracebacks."""
+    db, message = db.format(tmp=tmp_path), message.format(tmp=tmp_path)
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--db", db,
+                       "--output", str(tmp_path / "g.csv")], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("python -m gptlab course: error: --db ") and message in line, line
+    assert not (tmp_path / "g.csv").exists()
+
+
+@pytest.mark.parametrize("timeout", ["0", "-5"])
+def test_course_autograde_timeout_must_be_positive(course_dir, capsys, timeout):
+    """``--timeout 0`` (or below) silently removed the per-cell time limit."""
+    rc, _, err = _run(["course", "autograde", "--course", str(course_dir), "--timeout", timeout], capsys)
+    assert rc == 2
+    assert f"--timeout must be a positive number of seconds per cell, got {timeout}" in _one_line_error(err)
+
+
+def test_fetch_an_unknown_asset_is_one_line_exit_2(capsys):
+    rc, _, err = _run(["fetch", "nope"], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert line.startswith("python -m gptlab fetch: error: unknown asset(s) nope; available: ")
+
+
+BENCH_MISTAKES = [
+    ("train", ["--target-loss", "nan"], "--target-loss must be a positive number, got nan"),
+    ("train", ["--target-loss", "-1"], "--target-loss must be a positive number, got -1.0"),
+    ("train", ["--max-steps", "0"], "--max-steps must be >= 1, got 0"),
+    ("train", ["--device", "tpu"], "--device: unknown device 'tpu'"),
+    ("train", ["--num-threads", "0"], "--num-threads must be >= 1, got 0"),
+    ("train", ["--peak-tflops", "0"], "--peak-tflops must be a positive number, got 0.0"),
+    ("train", ["--json", "{dir}"], "--json {dir} is a folder; give a file path"),
+    ("train", ["--out", "{file}"], "--out: the output folder {file} is a file"),
+    ("train", ["--out", ""], "--out: the output folder (--out, out_dir) is an empty string"),
+    ("generate", ["--new-tokens", "0"], "--new-tokens must be in [1, 255]"),
+    ("generate", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("generate", ["--lengths", "8,x"], "--lengths must be comma-separated integers in [1, 255] (or empty), got '8,x'"),
+    ("generate", ["--lengths", "8,300"], "--lengths must be comma-separated integers in [1, 255] (or empty), got '8,300'"),
+    ("generate", ["--threads", "-1"], "--threads must be >= 1, got -1"),
+    ("generate", ["--device", "nonsense"], "--device: unknown device 'nonsense'"),
+    ("generate", ["--n-embd", "7"], "--n-embd 7: "),
+    ("generate", ["--n-embd", "0"], "--n-embd 0: "),
+    ("generate", ["--plot", "{file}/sweep.png"], "--plot {file}/sweep.png: {file} is a file, not a folder"),
+    ("speculative", ["--models", "{file}"], "--models {file}: {file} is a file, not a folder"),
+    ("speculative", ["--gs", "1,x"], "--gs must be comma-separated integers >= 1, got '1,x'"),
+    ("speculative", ["--gs", "0,2"], "--gs must be comma-separated integers >= 1, got '0,2'"),
+    ("speculative", ["--gs", ""], "--gs must be comma-separated integers >= 1, got ''"),
+    ("speculative", ["--new-tokens", "200"], "--new-tokens must be in [1, 112]"),
+    ("speculative", ["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    ("speculative", ["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    ("speculative", ["--temperatures", "0,hot"], "--temperatures must be comma-separated numbers >= 0, got '0,hot'"),
+    ("speculative", ["--temperatures", "-1"], "--temperatures must be comma-separated numbers >= 0, got '-1'"),
+    ("speculative", ["--temperatures", "nan"], "--temperatures must be comma-separated numbers >= 0, got 'nan'"),
+    ("speculative", ["--threads", "0"], "--threads must be >= 1, got 0"),
+    ("speculative", ["--seed", "-1"], "--seed must be >= 0, got -1"),
+    ("speculative", ["--device", "tpu"], "--device: unknown device 'tpu'"),
+    ("speculative", ["--json", "{dir}"], "--json {dir} is a folder"),
+    ("autograde", ["--course", "{dir}"], "--course {dir}: not a course folder"),
+    ("autograde", ["--students", "-1"], "--students must be >= 0, got -1"),
+    ("autograde", ["--class-assignments", "causal_mask,nope"], "--class-assignments: unknown assignment(s) nope"),
+    ("autograde", ["--workers", "1,x"], "--workers must be comma-separated integers >= 1, got '1,x'"),
+    ("autograde", ["--workers", "0"], "--workers must be comma-separated integers >= 1, got '0'"),
+    ("autograde", ["--blank-every", "-1"], "--blank-every must be >= 0, got -1"),
+    ("autograde", ["--timeout", "0"], "--timeout must be >= 1, got 0"),
+    ("autograde", ["--json", "{file}/b.json"], "--json {file}/b.json: {file} is a file, not a folder"),
+]
+
+
+@pytest.mark.parametrize("bench, extra, message", BENCH_MISTAKES,
+                         ids=[f"{b}{'-'.join(e)}" for b, e, _ in BENCH_MISTAKES])
+def test_bench_options_are_checked_before_it_runs(tmp_path, monkeypatch, capsys, bench, extra, message):
+    """Every bench option is checked up front: a nonsense value is one line and exit 2 before
+    anything runs (some were tracebacks, some accepted and used, or failing at the end of a run)."""
+    import gptlab.cli as cli
+
+    for module, _ in cli._BENCHMARKS.values():
+        monkeypatch.setattr(module, "run", lambda args: pytest.fail("the benchmark ran"))
+    f = tmp_path / "a-file"
+    f.write_text("mine")
+    fill = {"file": str(f), "dir": str(tmp_path)}
+    extra = [a.format(**fill) for a in extra]
+    rc, _, err = _run(["bench", bench, *extra], capsys)
+    assert rc == 2, err
+    line = _one_line_error(err)
+    assert line.startswith(f"python -m gptlab bench {bench}: error: ") and message.format(**fill) in line, line
+    assert f.read_text() == "mine"
+
+
+def test_every_benchmark_has_its_options_checked(monkeypatch, capsys):
+    import gptlab.cli as cli
+
+    assert set(cli._BENCH_CHECKS) == set(cli._BENCHMARKS)
+    ran = []
+    for name, (module, _) in cli._BENCHMARKS.items():
+        monkeypatch.setattr(module, "run", lambda args, name=name: ran.append(name) or 0)
+    for name in cli._BENCHMARKS:  # the defaults pass
+        assert main(["bench", name]) == 0, capsys.readouterr().err
+    assert ran == list(cli._BENCHMARKS)
+
+
+STOP_AT_IMPORT = r"""
+import os, sys
+class _Stop:  # Ctrl-C at the moment STOP_AT is imported
+    def find_spec(self, name, path=None, target=None):
+        if name == os.environ["STOP_AT"]:
+            sys.meta_path.remove(self)
+            raise KeyboardInterrupt
+sys.meta_path.insert(0, _Stop())
+"""
+
+
+@pytest.mark.parametrize("stop_at", ["torch", "gptlab.course"], ids=["importing-gptlab", "importing-the-cli"])
+def test_ctrl_c_while_train_imports_is_one_line(tmp_path, stop_at):
+    """Ctrl-C in the first second of ``python -m gptlab train`` (torch being imported, by the
+    package or by the command line's modules) printed a KeyboardInterrupt traceback."""
+    import os
+    import signal
+
+    (tmp_path / "sitecustomize.py").write_text(STOP_AT_IMPORT)
+    env = {**os.environ, "STOP_AT": stop_at,
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run([sys.executable, "-m", "gptlab", "train", "--recipe", "tiny", "--out", str(tmp_path / "run")],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode in (130, -signal.SIGINT)  # the shell's $? is 130 either way
+    assert r.stderr.strip() == "gptlab train: interrupted before training started; nothing was written", r.stderr
+    assert not (tmp_path / "run").exists()

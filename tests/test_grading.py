@@ -175,3 +175,14 @@ WEIGHT_MISTAKES = {
 @pytest.mark.parametrize("mistake", list(WEIGHT_MISTAKES))
 def test_weight_mistakes_are_diagnosed(mistake):
     _assert_diagnosed(check_causal_attention_weights, WEIGHT_MISTAKES, mistake)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_causal_weights_right_but_in_half_precision_say_so(dtype):
+    """Correct weights computed in float16 or bfloat16 fail the check, and the message says the
+    precision is too low, not "the weights of a query do not sum to 1"."""
+    with pytest.raises(ExerciseError) as e:
+        check_causal_attention_weights(lambda s: _weights_solution(s.to(dtype)))
+    text = str(e.value)
+    assert f"your weights are right, but computed in {str(dtype).split('.')[1]}, whose precision is too low" in text
+    assert "do not sum to 1" not in text

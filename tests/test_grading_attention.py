@@ -98,3 +98,14 @@ def test_renormalising_after_a_late_mask_is_accepted():
 def test_a_crash_shows_the_input():
     with pytest.raises(ExerciseError, match=r"split_heads\(.*\) raised RuntimeError"):
         A.check_split_heads(lambda x, n: x.view(-1, n, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_weights_right_but_in_half_precision_say_so(dtype):
+    """Correct weights computed in float16 or bfloat16 fail the check (too far from float32's), and
+    the message says the precision is too low, not "the weights of a query do not sum to 1"."""
+    with pytest.raises(ExerciseError) as e:
+        A.check_attention_weights(lambda q, k, mask=None: attention_weights(q.to(dtype), k.to(dtype), mask).float())
+    text = str(e.value)
+    assert f"your weights are right, but computed in {str(dtype).split('.')[1]}, whose precision is too low" in text
+    assert "do not sum to 1" not in text

@@ -130,3 +130,54 @@ def test_course_grades_output_an_existing_folder(course_dir, tmp_path, capsys):
     assert main(["course", "grades", "--course", str(course_dir), "--output", str(out)]) == 2
     line = _one_line(capsys.readouterr().err)
     assert f"--output {out} is a folder: give a file path, e.g. --output {out / 'grades.csv'}" in line
+
+
+# --------------------------------------------------------------------------- a checkpoint on a full disk
+
+TRAIN = ["--recipe", "tiny", "--max-steps", "6", "--eval-interval", "6", "--no-progress", "--num-threads", "1",
+         "--set", "eval_tokens=2048", "--set", "plot=false"]
+
+
+def test_a_full_disk_while_writing_the_weights_is_one_line(tmp_path, monkeypatch, capsys):
+    """safetensors reports a full disk as its own ``SafetensorError`` (the errno in its text): the
+    save raises the ``OSError`` it is, and ``train`` ends in the one line every full disk gives,
+    not a traceback, leaving no lock and no temporary folder behind."""
+    from safetensors import SafetensorError
+
+    from gptlab.train import checkpoint
+
+    def full(tensors, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpoint, "save_file", full)
+    out = tmp_path / "run"
+    assert main(["train", *TRAIN, "--out", str(out)]) == 1
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("python -m gptlab train: error: no space left on the device (")
+    assert "model.safetensors): free some disk space" in line
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+
+
+def test_an_io_error_of_safetensors_is_an_os_error_naming_the_file(tmp_path):
+    """A real write error inside safetensors' Rust code (here the file-size limit, ``ulimit -f``,
+    which any user can lower; a full disk reads the same with errno 28)."""
+    import subprocess
+    import sys
+
+    code = r"""
+import errno, resource, signal, sys
+from gptlab.model import GPT, GPTConfig
+from gptlab.train.checkpoint import save_checkpoint
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+try:
+    save_checkpoint(sys.argv[1], GPT(GPTConfig(vocab_size=37, block_size=16, n_layer=1, n_head=2, n_embd=16)))
+except OSError as e:
+    print(errno.errorcode[e.errno], e.filename)
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    name, filename = r.stdout.split()
+    assert name == "EFBIG" and filename.endswith("model.safetensors"), r.stdout
+    assert list(tmp_path.iterdir()) == []  # the temporary folder removed

@@ -220,13 +220,64 @@ def test_lock_folder_is_exclusive_and_released(tmp_path):
     lock.release()  # idempotent
     assert not (tmp_path / "x.lock").exists()
     (tmp_path / "x.lock").write_text("")  # a creator killed between creating and writing it
-    with pytest.raises(LockError, match="unreadable lock"):
-        files.lock_folder(tmp_path, "x.lock")
     old = os.stat(tmp_path / "x.lock").st_mtime - 60
     os.utime(tmp_path / "x.lock", (old, old))
     with files.lock_folder(tmp_path, "x.lock"):
         pass
     assert not (tmp_path / "x.lock").exists()
+
+
+def test_an_empty_lock_of_no_process_is_taken_over(tmp_path, capsys):
+    """A 0-byte lock (an older gptlab's creator that ran out of disk space or was killed before
+    writing its record) holds no live process: the next run waits out the few seconds a writer
+    could still be writing it, then takes it over, with a note; it is never refused."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_bytes(b"")
+    train(small(), out)
+    assert "took over the stale lock" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # released, nothing left
+
+
+def test_a_lock_file_appears_whole_or_not_at_all(tmp_path, monkeypatch):
+    """Another process never reads a half-written lock: it is written beside and linked into place."""
+    seen = []
+    real = os.link
+
+    def link(src, dst, **kw):
+        seen.append(Path(src).read_text())
+        return real(src, dst, **kw)
+
+    monkeypatch.setattr(os, "link", link)
+    with files.lock_folder(tmp_path, "x.lock", purpose="test") as lock:
+        assert json.loads(seen[0]) == lock.owner
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_full_disk_while_locking_leaves_no_lock(tmp_path, monkeypatch, capsys):
+    """``train`` on a full disk: one line saying so (exit 1), no lock file left behind (it was
+    left empty, and every later run refused as "in use by another training run"), and the next
+    run, once there is space, trains."""
+    import errno
+
+    out = tmp_path / "run"
+    out.mkdir()
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        files.lock_folder(out, LOCK_FILE)
+    assert list(out.iterdir()) == []
+    assert main(["train", *CLI, "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "no space left on the device" in err, err
+    assert list(out.iterdir()) == []
+    monkeypatch.undo()
+    assert main(["train", *CLI, "--out", str(out)]) == 0
+    assert "in use" not in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------ signals
@@ -288,6 +339,71 @@ def test_a_torn_last_line_is_dropped_on_resume(tmp_path, capsys):
     (out / "metrics.jsonl").write_text("\n".join([lines[0], lines[1][:10], lines[2]]) + "\n")
     with pytest.raises(ValueError, match="line 2"):
         train(cfg.with_overrides(max_steps=14), out, resume=True)
+
+
+@pytest.mark.parametrize("damage", ["cut", "emptied", "deleted"])
+@pytest.mark.parametrize("log", ["metrics.jsonl", "train_log.jsonl"])
+def test_a_log_that_lost_rows_is_refused_on_resume(tmp_path, capsys, damage, log):
+    """A log cut at a line boundary, emptied or deleted after the checkpoint: --resume refuses,
+    naming the file and what it lost (it went on silently, the earlier steps gone from the record,
+    the plot and the summary's best validation loss), and the files stay as they were."""
+    cfg = small(log_interval=2)
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    path = out / log
+    lines = path.read_text().splitlines(keepends=True)
+    if damage == "cut":
+        path.write_text("".join(lines[:-1]))
+    elif damage == "emptied":
+        path.write_text("")
+    else:
+        path.unlink()
+    before = snapshot(out)
+    with pytest.raises(RunFolderError, match=rf"cannot resume .*{log} (holds \d+ row|is missing).*checkpoint at "
+                                             rf"step 8 was saved when it held {len(lines)} row"):
+        train(cfg, out, resume=True)
+    assert main(["train", *CLI, "--set", "log_interval=2", "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("gptlab train: error: cannot resume"), err
+    assert snapshot(out) == before
+
+
+def test_an_older_checkpoint_without_row_counts_checks_its_last_evaluation(tmp_path, monkeypatch):
+    """A checkpoint written before the row counts records the last evaluation's row: a
+    metrics.jsonl without it is refused too."""
+    from gptlab.train.checkpoint import TRAIN_STATE_FILE
+
+    cfg = small()
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    ckpt = out / "ckpt"
+    state = json.loads((ckpt / TRAIN_STATE_FILE).read_text())
+    del state["metrics_rows"], state["log_rows"]
+    (ckpt / TRAIN_STATE_FILE).write_text(json.dumps(state))
+    monkeypatch.setenv("GPTLAB_VERIFY_CHECKPOINTS", "0")  # the edit breaks the manifest's hash
+    (out / "metrics.jsonl").write_text((out / "metrics.jsonl").read_text().splitlines(keepends=True)[0])
+    with pytest.raises(RunFolderError, match=r"saved when it held a row at step 6"):
+        train(cfg, out, resume=True)
+
+
+@pytest.mark.parametrize("row, message", [
+    ("{}", r'line 2: every row needs the integer step it was written at \("step": 50\), got no "step"'),
+    ('{"step": "50", "val_loss": 3.0}', r'line 2: every row needs the integer step .*got "step": "50"'),
+    ("[1, 2]", r"line 2: not a JSON object"),
+])
+def test_a_row_without_an_integer_step_names_the_file_and_line(tmp_path, capsys, row, message):
+    cfg = small()
+    out = tmp_path / "run"
+    train(cfg, out, until=8)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text(lines[0] + row + "\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match=rf"metrics.jsonl, {message}"):
+        train(cfg, out, resume=True)
+    with pytest.raises(ValueError, match=rf"metrics.jsonl, {message}"):
+        read_metrics(out / "metrics.jsonl")
+    assert main(["train", *CLI, "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "metrics.jsonl, line 2" in err, err
 
 
 def test_temporary_folders_of_killed_saves_are_removed_at_the_next_save(tmp_path):

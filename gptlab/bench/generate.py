@@ -62,14 +62,19 @@ from ..generation import generate
 from ..model import GPT, GPTConfig
 from . import cpu_settings, machine_name, native_build
 
-__all__ = ["run", "mini_model"]
+__all__ = ["run", "mini_model", "mini_config"]
 
 
-def mini_model(seed: int = 0, n_embd: int = 384):
+def mini_config(n_embd: int = 384) -> GPTConfig:
+    """GPT-2 Mini's shape (6 layers, 6 heads, vocabulary 65, block 256), ``n_embd`` wide; a width
+    the model cannot have (not a multiple of the 6 heads) raises ``ValueError``."""
+    return GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=n_embd, dropout=0.0)
+
+
+def mini_model(seed: int = 0, n_embd: int = 384) -> GPT:
     """GPT-2 Mini with random weights (the course's character-level model's shape)."""
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=65, block_size=256, n_layer=6, n_head=6, n_embd=n_embd, dropout=0.0)
-    return GPT(cfg).eval()
+    return GPT(mini_config(n_embd)).eval()
 
 
 def _contenders(model, hf, n_new: int, device, compiled: bool = False) -> dict:

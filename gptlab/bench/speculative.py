@@ -42,7 +42,7 @@ from ..generation import SpeculativeStats, generate, speculative_generate
 from ..train import get_recipe, train
 from . import cpu_settings, machine_name, native_build
 
-__all__ = ["run", "PRESETS", "trained_models"]
+__all__ = ["run", "PRESETS", "PROMPT_LENGTH", "trained_models", "target_block_size"]
 
 # Training configurations (overrides of gptlab.train's "shakespeare-char-cpu" recipe; the drafts are GPT-2-style).
 _GPT2 = dict(norm="layernorm", mlp="gelu", pos_emb="learned")
@@ -72,6 +72,14 @@ def _train_config(preset: str, role: str, teacher: str | None = None, device: st
     return get_recipe("shakespeare-char-cpu").with_overrides(
         **{**_COMMON, **spec}, eval_interval=spec["max_steps"], device=device
     )
+
+
+PROMPT_LENGTH = 16  # characters of validation text per prompt
+
+
+def target_block_size(preset: str) -> int:
+    """The block size of ``preset``'s target: the prompt and the new tokens must fit in it."""
+    return _train_config(preset, "target").model.block_size
 
 
 def _write_json_atomic(path: Path, obj) -> None:
@@ -106,7 +114,7 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
     return models["target"], models["draft"], info
 
 
-def _prompts(n: int, length: int = 16) -> list[torch.Tensor]:
+def _prompts(n: int, length: int = PROMPT_LENGTH) -> list[torch.Tensor]:
     val = prepare_char_data(quiet=True).val
     step = (len(val) - length) // max(n, 1)
     return [torch.tensor(val[i * step : i * step + length].astype("int64"))[None] for i in range(n)]
@@ -182,8 +190,9 @@ def run(args) -> int:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     target, draft, info = trained_models(args.preset, args.models, device=args.device)
     n_new = args.new_tokens
-    if not 1 <= n_new <= target.config.block_size - 16:
-        raise SystemExit(f"--new-tokens must be in [1, {target.config.block_size - 16}] (16-character prompts)")
+    if not 1 <= n_new <= target.config.block_size - PROMPT_LENGTH:
+        raise SystemExit(f"--new-tokens must be in [1, {target.config.block_size - PROMPT_LENGTH}] "
+                         f"({PROMPT_LENGTH}-character prompts)")
     prompts = [p.to(device) for p in _prompts(args.prompts)]
     print(f"machine: {machine_name()}")
     for role in ("target", "draft"):

@@ -38,6 +38,7 @@ from torch._C import _VariableFunctions as _VF
 
 from .. import attention as _att
 from .. import GPTConfig
+from .causal_mask import low_precision_diagnosis
 from .core import ExerciseError, Forbidden, call, entries_of, torch_family, describe, expect_close, expect_tensor
 from .remote import is_module, is_module_class, load_params
 from .task import Case, Task, call_with_hint
@@ -171,11 +172,14 @@ def _weights_mistakes(q: Tensor, k: Tensor, mask: Tensor | None = None) -> list[
     return out
 
 
-def _weights_diagnosis(w: Tensor, mask: Tensor | None) -> str | None:
+def _weights_diagnosis(w: Tensor, mask: Tensor | None, want: Tensor) -> str | None:
     if torch.isnan(w).any():
         return "your weights contain NaN."
     if mask is not None and ((w.abs() > 1e-6) & ~mask).any():
         return "some weight falls on a key the mask blocks: set those scores to -inf before the softmax."
+    low = low_precision_diagnosis(w, want)  # right, but in float16 / bfloat16: not "do not sum to 1"
+    if low is not None:
+        return low
     sums = w.sum(-1)
     if not _VF.allclose(sums, torch.ones_like(sums), 0.0, 1e-4):
         return "the weights of a query do not sum to 1: take the softmax over the keys (dim=-1)."
@@ -225,7 +229,7 @@ def _expect_weights(got: Any, case: Case) -> Tensor:
 ATTENTION_WEIGHTS = Task(
     "attention_weights", _att.attention_weights, _FORBIDDEN_ATTENTION, lambda seed: _cases_for("attention_weights", seed, False),
     mistakes=_weights_mistakes, expect=_expect_weights, show=_show,
-    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[2] if len(case.args) > 2 else None),
+    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[2] if len(case.args) > 2 else None, want),
     **WEIGHTS_TOL)
 
 

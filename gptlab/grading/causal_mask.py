@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _VariableFunctions as _VF  # not torch.allclose, which a learner's cell may replace
 
 from .. import causal_mask as _exported_causal_mask
 from .. import masks as _masks
@@ -261,13 +262,32 @@ def _weights_mistakes(scores: Tensor) -> list:
     ]
 
 
-def _weights_diagnosis(got: Tensor, scores: Tensor) -> str:
+# (dtype, its name, how far weights computed in it may be from float32's: a few of its ulps at 1)
+_LOW_PRECISION = ((torch.bfloat16, "bfloat16", 3e-2), (torch.float16, "float16", 5e-3))
+
+
+def low_precision_diagnosis(got: Tensor, want: Tensor) -> str | None:
+    """What to say about weights ``got`` that are right, but computed in float16 or bfloat16: each
+    value is one of that dtype's and within a few of its rounding steps of ``want`` (their rows
+    then miss 1 by about that much, which is no mistake in the softmax). None otherwise."""
+    for dtype, name, tol in _LOW_PRECISION:
+        if _VF.equal(got, got.to(dtype).float()) and _VF.allclose(got, want.float(), 0.0, tol):
+            return (f"your weights are right, but computed in {name}, whose precision is too low for this check "
+                    f"(about {tol:g} per weight, the rows miss 1 by as much): compute them in the dtype of the "
+                    "scores (float32), without .half(), .bfloat16() or an autocast.")
+    return None
+
+
+def _weights_diagnosis(got: Tensor, scores: Tensor, want: Tensor) -> str:
     """Name a mistake recognised by a property of the weights rather than by a known output."""
     mask = _masks.causal_mask(scores.shape[-1])
     if torch.isnan(got).any():
         return "your weights contain NaN: a row in which every key is masked gives softmax(-inf, ..., -inf) = NaN."
     if ((got.abs() > 1e-6) & ~mask).any():
         return "some weight falls on future keys (j > i): the mask is not applied correctly."
+    low = low_precision_diagnosis(got, want)
+    if low is not None:
+        return low
     rows = got.sum(-1)
     if not torch.allclose(rows, torch.ones_like(rows), atol=1e-4):
         return "the weights of a query do not sum to 1: take the softmax over the keys (dim=-1), after masking."
@@ -297,7 +317,7 @@ CAUSAL_ATTENTION_WEIGHTS = Task(
     "causal_attention_weights", reference_causal_attention_weights,
     _GPTLAB_MASKS + (Forbidden(torch.nn.functional.scaled_dot_product_attention, "F.scaled_dot_product_attention"),),
     _weights_cases, atol=1e-5, rtol=1e-4, mistakes=_weights_mistakes, expect=_expect_weights,
-    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[0]))
+    diagnose=lambda got, want, case: _weights_diagnosis(got, case.args[0], want))
 
 
 def check_causal_attention_weights(

@@ -34,12 +34,16 @@ Atomicity: the whole folder is first written under a temporary name beside the t
 swapped in with renames (:func:`gptlab.files.atomic_dir`), so a crash during a save never leaves a half
 written checkpoint in the target's place. If a crash falls between the two renames of the swap
 the previous checkpoint survives as ``.<name>.old``, and :func:`resolve_checkpoint` finds it.
+A load while a save swaps a new folder in reads again if the folder changed under it
+(:func:`_read_unchanged`): it returns the previous checkpoint or the new one, never a mix. A full
+disk during a save raises the ``OSError`` it is (``ENOSPC``), naming the file, whichever file it hit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +141,22 @@ def _read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, st
         if isinstance(e, FileNotFoundError):
             raise
         raise CheckpointError(f"{path} is not a readable safetensors file (truncated or another format?): {e}") from e
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' Rust code reports an I/O error
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, an I/O error (a full disk) raised as the ``OSError`` it is,
+    naming the file (safetensors raises its own ``SafetensorError``, with the errno in its text)."""
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except Exception as e:
+        found = _OS_ERROR.search(str(e)) if type(e).__name__ == "SafetensorError" else None
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,11 +335,11 @@ def save_checkpoint(
     if out_dir.exists() and not (out_dir / CONFIG_FILE).exists() and any(out_dir.iterdir()):
         raise CheckpointError(f"{out_dir} exists and is not a gptlab checkpoint folder; refusing to replace it")
     with atomic_dir(out_dir) as tmp:  # an interrupted save leaves the previous checkpoint in place
-        save_file(tensors, str(tmp / MODEL_FILE), metadata=header)
+        _save_safetensors(tensors, tmp / MODEL_FILE, header)
         if opt_payload is not None:
             opt_tensors, opt_meta = opt_payload
-            save_file(opt_tensors, str(tmp / OPTIMIZER_FILE),
-                      metadata={"format": "pt", "gptlab_optimizer": json.dumps(opt_meta)})
+            _save_safetensors(opt_tensors, tmp / OPTIMIZER_FILE,
+                              {"format": "pt", "gptlab_optimizer": json.dumps(opt_meta)})
         if train_state is not None:
             _write_json(tmp / TRAIN_STATE_FILE, train_state)
         # the manifest: the hash of each file's bytes as written, then of its own content
@@ -345,13 +365,14 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     p = Path(path).expanduser()
     if p.is_file() and p.name in (MODEL_FILE, CONFIG_FILE):
         p = p.parent
-    for cand in (p, p / "ckpt"):
-        if (cand / CONFIG_FILE).is_file():
-            return cand
-    for cand in (p, p / "ckpt"):
-        old = kept_aside(cand)
-        if not cand.exists() and (old / CONFIG_FILE).is_file():
-            return old
+    for _ in range(3):  # a save swapping its folder in may move it between two looks: look again
+        for cand in (p, p / "ckpt"):
+            if (cand / CONFIG_FILE).is_file():
+                return cand
+        for cand in (p, p / "ckpt"):
+            old = kept_aside(cand)
+            if not cand.exists() and (old / CONFIG_FILE).is_file():
+                return old
     raise CheckpointError(
         f"no gptlab checkpoint at {p}: expected a folder holding {CONFIG_FILE} and {MODEL_FILE} "
         f"(written by save_checkpoint or `python -m gptlab train --out DIR`, which keeps it in DIR/ckpt)"
@@ -371,10 +392,10 @@ def _read_config(ckpt: Path) -> dict:
         raise CheckpointError(f"{where} is not a gptlab checkpoint config (format {FORMAT!r} expected)")
     if cfg.get("version") != VERSION:
         raise CheckpointError(f"{ckpt}: checkpoint version {cfg.get('version')!r}, this gptlab reads version {VERSION}")
-    tied = cfg.get("tied")
-    if tied is not None and not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
-        raise CheckpointError(f"{where}: 'tied' must map dropped weight names to kept ones ({{str: str}}), "
-                              f"got {type(tied).__name__} {tied!r:.120}")
+    tied = cfg.get("tied", {})  # absent: nothing tied
+    if not isinstance(tied, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tied.items()):
+        raise CheckpointError(f"{where}: 'tied' must map dropped weight names to kept ones ({{str: str}}, {{}} when "
+                              f"none are tied), got {'null' if tied is None else type(tied).__name__} {tied!r:.120}")
     hashes = cfg.get("sha256")
     if hashes is not None and not (isinstance(hashes, dict) and all(
             isinstance(k, str) and _is_sha256(v) for k, v in hashes.items())):
@@ -490,6 +511,48 @@ def _checked_weights(model: GPT, ckpt: Path, cfg: dict, verify: bool) -> tuple[d
     return tensors, tied
 
 
+_READ_TRIES = 50  # reads of a checkpoint that saves keep replacing, before giving up
+
+
+def _identity(path: str | os.PathLike) -> tuple | None:
+    """What tells one saved checkpoint from the next at ``path``: the folder it resolves to, that
+    folder's inode and change time (each save swaps in a new folder) and its config.json's bytes
+    (which record every file's sha256); None while there is none (a save between its renames)."""
+    try:
+        ckpt = resolve_checkpoint(path)
+        st = os.stat(ckpt)
+        return str(ckpt), st.st_dev, st.st_ino, st.st_ctime_ns, (ckpt / CONFIG_FILE).read_bytes()
+    except (FileNotFoundError, CheckpointError):
+        return None
+
+
+def _read_unchanged(path: str | os.PathLike, read: Any) -> Any:
+    """``read(ckpt)`` of the checkpoint folder ``path`` names, every file from one save.
+
+    A training run may save while this reads: the save swaps a whole new folder in
+    (:func:`gptlab.files.atomic_dir`), so a read that began in the old folder could go on in the
+    new one, and a file's sha256 would not match the manifest read before. The folder's identity
+    (:func:`_identity`) is taken before and after the read; if a save came between, the read is
+    done again, so the caller gets the old checkpoint or the new one, never a mix, and an error
+    only when the checkpoint did not change while it was read.
+    """
+    for _ in range(_READ_TRIES):
+        before = _identity(path)
+        if before is None:
+            resolve_checkpoint(path)  # no checkpoint there: its error says what is expected
+            continue  # one was being swapped in: look again
+        try:
+            result = read(Path(before[0]))  # the very folder identified
+        except (CheckpointError, OSError):
+            if _identity(path) == before:
+                raise  # the same checkpoint throughout: the error is its own
+            continue
+        if _identity(path) == before:
+            return result
+    raise CheckpointError(f"{path}: the checkpoint was replaced by a new save each of the {_READ_TRIES} times it "
+                          "was read (a training run saving it very often?); try again")
+
+
 def load_model(
     path: str | os.PathLike,
     device: str | torch.device | None = None,
@@ -507,13 +570,21 @@ def load_model(
     twice, for very large files. The config's fields, the weights' dtypes and shapes, the config
     the weights were saved with and the tokenizer's size (at most ``vocab_size``) are checked either
     way. Every problem raises :class:`CheckpointError` naming the file.
+
+    A training run may be saving the checkpoint meanwhile: what is loaded is one save's, the one
+    before or the new one, never a mix (:func:`_read_unchanged`).
     """
-    ckpt = resolve_checkpoint(path)
-    cfg = _read_config(ckpt)
-    config = _model_config(ckpt, cfg)
-    tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
-    model = GPT(config)
-    _load_weights(model, *_checked_weights(model, ckpt, cfg, verify_hashes(verify)))
+    verify = verify_hashes(verify)
+
+    def read(ckpt: Path) -> tuple[GPT, Any]:
+        cfg = _read_config(ckpt)
+        config = _model_config(ckpt, cfg)
+        tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
+        model = GPT(config)
+        _load_weights(model, *_checked_weights(model, ckpt, cfg, verify))
+        return model, tokenizer
+
+    model, tokenizer = _read_unchanged(path, read)
     if device is not None:
         model.to(pick_device(device))
     model.eval()
@@ -537,26 +608,43 @@ def load_checkpoint(
 
     ``verify``: check every file read against the sha256 the manifest records, as in
     :func:`load_model` (None: True unless ``GPTLAB_VERIFY_CHECKPOINTS=0``). Every problem raises
-    :class:`CheckpointError` naming the file.
+    :class:`CheckpointError` naming the file. As with :func:`load_model`, every file comes from
+    one save, even while a training run saves the checkpoint again.
     """
     verify = verify_hashes(verify)
-    ckpt = resolve_checkpoint(path)
-    cfg = _read_config(ckpt)
-    config = _model_config(ckpt, cfg)
-    tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
-    built = model is None
-    if built:
-        model = raw = GPT(config)
-    else:
+    raw = None
+    if model is not None:
         raw = unwrap_model(model)
         if not isinstance(raw, GPT):
             raise TypeError(f"model must be a gptlab GPT, got {type(raw).__name__}")
-        if config != raw.config:
-            raise CheckpointError(f"{ckpt}: the checkpoint's model config {config} differs from the model's {raw.config}")
-    # every file read and checked before the model or the optimizer changes
+    # every file read and checked, all from one save, before the model or the optimizer changes
+    found = _read_unchanged(path, lambda ckpt: _read_to_resume(ckpt, raw, optimizer is not None, verify))
+    raw, tokenizer, tensors, tied, opt_state, train_state = found
+    built = model is None
+    if built:
+        model = raw
+    _load_weights(raw, tensors, tied)
+    if built and device is not None:
+        model.to(pick_device(device))
+    if opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+    return model, tokenizer, train_state
+
+
+def _read_to_resume(ckpt: Path, raw: GPT | None, with_optimizer: bool, verify: bool) -> tuple:
+    """Everything :func:`load_checkpoint` loads from ``ckpt``, read and checked against ``raw``, the
+    model to load into (None: one is built from the config): ``(that model, tokenizer, tensors,
+    tied, optimizer state or None, train state or None)``; nothing is loaded into the model yet."""
+    cfg = _read_config(ckpt)
+    config = _model_config(ckpt, cfg)
+    tokenizer = _tokenizer(ckpt, cfg, config.vocab_size)
+    if raw is None:
+        raw = GPT(config)
+    elif config != raw.config:
+        raise CheckpointError(f"{ckpt}: the checkpoint's model config {config} differs from the model's {raw.config}")
     tensors, tied = _checked_weights(raw, ckpt, cfg, verify)
     opt_state = None
-    if optimizer is not None:
+    if with_optimizer:
         f = ckpt / OPTIMIZER_FILE
         if not f.is_file():
             raise CheckpointError(f"{ckpt}: {OPTIMIZER_FILE} is missing; this checkpoint cannot resume an optimiser")
@@ -576,9 +664,4 @@ def load_checkpoint(
         _verify_file(ckpt, cfg, TRAIN_STATE_FILE, verify)
     elif verify and TRAIN_STATE_FILE in (cfg.get("sha256") or {}):
         raise CheckpointError(f"{ckpt}: {TRAIN_STATE_FILE} is missing (the manifest {CONFIG_FILE} records it)")
-    _load_weights(raw, tensors, tied)
-    if built and device is not None:
-        model.to(pick_device(device))
-    if opt_state is not None:
-        optimizer.load_state_dict(opt_state)
-    return model, tokenizer, train_state
+    return raw, tokenizer, tensors, tied, opt_state, train_state

@@ -34,7 +34,6 @@ import contextlib
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -49,7 +48,7 @@ from .distributed import all_gather_objects, all_mean, barrier, close_distribute
 from .evaluation import fixed_batch_loss, mean_cross_entropy, val_windows
 from .metrics import TrainBar, TrainLog, append_jsonl, plot_metrics, reaches_target, run_summary, write_metrics
 from .rng import rng_state
-from .run_folder import RunFolder
+from .run_folder import RunFolder, check_out_dir
 from .schedule import lr_at
 from .setup import (load_data, load_to_resume, make_optimizer, restore_streams, rows_to_resume, setup_device,
                     wrap_model)
@@ -78,7 +77,7 @@ class Trainer:
         if not isinstance(cfg, TrainConfig):
             raise TypeError(f"cfg must be a TrainConfig (see RECIPES), got {type(cfg).__name__}")
         self.cfg = cfg
-        self.out_dir = Path(out_dir)
+        self.out_dir = check_out_dir(out_dir)  # not "" (the current folder, unasked), a file, or under one
         self.ckpt_dir = self.out_dir / "ckpt"
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.log_path = self.out_dir / "train_log.jsonl"
@@ -143,8 +142,12 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         restore_streams(state, self.dist, self.generator, self.cfg.seed, self.step)
         # rows past the checkpoint's step (written after its last save) are dropped: fit rewrites both files
-        self.rows, torn = rows_to_resume(self.metrics_path, self.step)
-        self.log_rows, torn_log = rows_to_resume(self.log_path, self.step)
+        # how many rows the logs held at the save (older checkpoints record only the last evaluation's row)
+        counts = {k: state.get(k) for k in ("metrics_rows", "log_rows") if isinstance(state.get(k), int)}
+        last = state.get("metrics")
+        self.rows, torn = rows_to_resume(self.metrics_path, self.step, counts.get("metrics_rows"),
+                                         last.get("step") if isinstance(last, dict) else None)
+        self.log_rows, torn_log = rows_to_resume(self.log_path, self.step, counts.get("log_rows"))
         self.dropped_bytes += torn + torn_log
 
     # ---- the checkpoint
@@ -166,6 +169,8 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "config": self.cfg.to_dict(),
                 "metrics": self.rows[-1] if self.rows else None,
+                "metrics_rows": len(self.rows),  # what the logs hold now: a resume refuses logs that lost rows
+                "log_rows": len(self.log_rows),
             }
             if self.folder.claimed:  # this run holds the folder's lock: no other process saves here
                 remove_stale_temps(self.ckpt_dir, all_but_mine=True)

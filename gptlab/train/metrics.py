@@ -37,15 +37,29 @@ __all__ = ["TrainLog", "append_jsonl", "read_metrics", "read_train_log", "read_j
            "reaches_target", "run_summary", "TrainBar", "metrics_figure", "plot_metrics"]
 
 
+def _checked_row(row: Any, path: str | os.PathLike, line: int) -> dict:
+    """A row of ``metrics.jsonl`` / ``train_log.jsonl``: a JSON object with an integer ``step``;
+    anything else raises ``ValueError`` naming the file and the line."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}, line {line}: not a JSON object, got {type(row).__name__} {row!r:.80}")
+    step = row.get("step")
+    if isinstance(step, bool) or not isinstance(step, int):
+        got = "no \"step\"" if "step" not in row else f"\"step\": {json.dumps(step)}"
+        raise ValueError(f"{path}, line {line}: every row needs the integer step it was written at "
+                         f"(\"step\": 50), got {got}")
+    return row
+
+
 def _read_jsonl(path: str | os.PathLike) -> list[dict]:
     rows = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}, line {i}: not a JSON object ({e})") from e
+                rows.append(_checked_row(row, path, i))
     return rows
 
 
@@ -55,7 +69,8 @@ def read_jsonl_torn(path: str | os.PathLike) -> tuple[list[dict], int]:
     A process killed while appending a row (:func:`append_jsonl`) leaves a partial last line (or,
     on some file systems, one of NUL bytes): that line, if it is not a JSON object, is dropped and
     its length in bytes returned. A bad line before the last one still raises ``ValueError``:
-    that is damage, not an interrupted append. Returns ``(rows, dropped_bytes)``.
+    that is damage, not an interrupted append; so does a row without an integer ``step`` (both
+    name the file and the line). Returns ``(rows, dropped_bytes)``.
     """
     data = Path(path).read_bytes()
     lines = data.split(b"\n")
@@ -72,12 +87,13 @@ def read_jsonl_torn(path: str | os.PathLike) -> tuple[list[dict], int]:
             if i == last:
                 return rows, len(data) - sum(len(x) + 1 for x in lines[:i])
             raise ValueError(f"{path}, line {i + 1}: not a JSON object ({e})") from e
-        rows.append(row)
+        rows.append(_checked_row(row, path, i + 1))
     return rows, 0
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The rows of a ``metrics.jsonl`` file (one dict per evaluation)."""
+    """The rows of a ``metrics.jsonl`` file (one dict per evaluation); a line that is not a JSON
+    object with an integer ``step`` raises ``ValueError`` naming the file and the line."""
     return _read_jsonl(path)
 
 

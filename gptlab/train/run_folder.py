@@ -20,7 +20,7 @@ from pathlib import Path
 from ..files import FolderLock, atomic_write_json, lock_folder, remove_stale_temps
 from .checkpoint import TRAIN_STATE_FILE, CheckpointError, resolve_checkpoint
 
-__all__ = ["RUN_FILES", "LOCK_FILE", "MANIFEST", "RunFolder", "RunFolderError", "run_entries", "has_checkpoint",
+__all__ = ["RUN_FILES", "LOCK_FILE", "MANIFEST", "RunFolder", "RunFolderError", "check_out_dir", "run_entries", "has_checkpoint",
            "saved_step", "overwrite_backup", "discard_backup", "set_run_aside", "restore_run", "recover_run_folder", "check_run_folder"]
 
 RUN_FILES = ("ckpt", ".ckpt.old", "metrics.jsonl", "train_log.jsonl", "loss.png")  # what makes a folder a run
@@ -30,6 +30,23 @@ MANIFEST = "overwritten.json"  # in the backup folder: the entries moved there
 
 class RunFolderError(ValueError):
     """A run folder cannot be used as asked (it holds a run, or nothing to resume); one line."""
+
+
+def check_out_dir(out_dir: str | os.PathLike) -> Path:
+    """``out_dir`` as a ``Path``, refused (:class:`RunFolderError`) where it cannot be a run's folder:
+    an empty string (which ``Path`` reads as the current folder), a file, or a path under a file."""
+    if isinstance(out_dir, str) and not out_dir.strip():
+        raise RunFolderError("the output folder (--out, out_dir) is an empty string; name a folder (to train into "
+                             "the current folder, give '.')")
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"the output folder {out} is a file; give a folder (a new one, or one holding a run)")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RunFolderError(f"the output folder {out} cannot be made: {parent} is a file, not a folder")
+            break
+    return out
 
 
 def run_entries(out_dir: Path) -> list[str]:

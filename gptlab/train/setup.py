@@ -12,7 +12,8 @@ processes (:class:`~gptlab.train.distributed.DistInfo`) and return what the loop
 * on resume, :func:`load_to_resume` (the checkpoint's weights and optimiser state, its training
   state), :func:`check_resumable` (the checkpoint's run drew the same batches),
   :func:`restore_streams` (every random stream, or reseeded ones with another process count) and
-  :func:`rows_to_resume` (a log's rows up to the checkpoint's step).
+  :func:`rows_to_resume` (a log's rows up to the checkpoint's step; a log that lost rows the
+  checkpoint counted is refused).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .checkpoint import load_checkpoint, resolve_checkpoint
 from .config import TrainConfig
 from .distributed import DistInfo
 from .metrics import read_jsonl_torn
+from .run_folder import RunFolderError
 from .rng import set_rng_state
 
 __all__ = ["RESUME_FIELDS", "load_data", "setup_device", "make_optimizer", "wrap_model", "load_to_resume",
@@ -137,13 +139,31 @@ def restore_streams(state: dict, dist: DistInfo, generator: torch.Generator, see
     generator.manual_seed(seed + step + 1_000_003 * (dist.rank + 1))
 
 
-def rows_to_resume(path: Path, step: int) -> tuple[list[dict], int]:
+def rows_to_resume(path: Path, step: int, saved: int | None = None, last_step: int | None = None
+                   ) -> tuple[list[dict], int]:
     """A log's rows up to ``step`` (rows written after the checkpoint's last save are dropped) and
-    the bytes of a torn last line (a crash mid-write), dropped with a warning."""
-    if not path.exists():
-        return [], 0
-    rows, dropped = read_jsonl_torn(path)
+    the bytes of a torn last line (a crash mid-write), dropped with a warning.
+
+    ``saved``: how many rows the log held when the checkpoint was saved (its ``train_state.json``
+    records it); ``last_step``: the step of its last row (older checkpoints record only that). A log
+    that holds fewer rows up to ``step``, or not that row (cut short, emptied or deleted since),
+    raises :class:`~gptlab.train.run_folder.RunFolderError`: resuming would drop the earlier steps
+    from the record, the plot and the best validation loss without a word.
+    """
+    rows, dropped = read_jsonl_torn(path) if path.exists() else ([], 0)
     if dropped:
         print(f"warning: {path}: dropped its torn last line ({dropped} bytes: a write cut short by a crash); "
               f"resuming from the checkpoint at step {step}", file=sys.stderr)
-    return [r for r in rows if r["step"] <= step], dropped
+    kept = [r for r in rows if r["step"] <= step]
+    lost = saved is not None and len(kept) < saved
+    if not lost and saved is None and last_step is not None:
+        lost = not any(r["step"] == last_step for r in kept)
+    if lost:
+        held = (f"holds {len(kept)} row(s) up to step {step}" if path.exists() else "is missing")
+        then = f"{saved} row(s)" if saved is not None else f"a row at step {last_step}"
+        raise RunFolderError(
+            f"cannot resume {path.parent}: {path} {held}, but its checkpoint at step {step} was saved when it held "
+            f"{then} (the file was cut short, emptied or deleted since); resuming would drop those steps from the "
+            f"record, the plot and the best validation loss. Put the file back (from a backup), or start the run "
+            f"again with --overwrite")
+    return kept, dropped
