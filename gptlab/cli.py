@@ -28,6 +28,7 @@ from torch import Tensor
 
 from .assets import ASSETS, Asset, AssetError, cache_dir, fetch, sha256_file
 from .bench import autograde as bench_autograde
+from .bench import grading_class as bench_class
 from .bench import machine_name
 from .bench import generate as bench_generate
 from .bench import speculative as bench_speculative
@@ -553,7 +554,20 @@ def _check_bench_autograde(args: argparse.Namespace) -> None:
     _numbers("--workers", args.workers, int, 1)
     _at_least("--blank-every", args.blank_every, 0)
     _at_least("--timeout", args.timeout, 1)
+    _at_least("--sandbox-cost", args.sandbox_cost, 0)
     _output_file("--json", args.json)
+
+
+def _bench_class_arguments(parser) -> None:
+    parser.add_argument("--course", default=None, help="the course folder to copy (default: the repository root)")
+    parser.add_argument("--students", type=int, default=20, help="synthetic students (correct, partly wrong, blank, "
+                                                                 "hostile in turn)")
+    parser.add_argument("--workers", type=int, default=2, help="course autograde --workers")
+    parser.add_argument("--project-students", type=int, default=300, help="the class size of the projection")
+    parser.add_argument("--project-cores", type=int, default=16, help="the cores of the projection's machine")
+    parser.add_argument("--plot", default=None, metavar="PNG", help="the jobs over time, one row per worker")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", default=None, metavar="PATH", help="write the figures as JSON")
 
 
 # name -> (the module whose run(args) measures, the function adding its arguments)
@@ -562,10 +576,24 @@ _BENCHMARKS = {
     "generate": (bench_generate, _bench_generate_arguments),
     "speculative": (bench_speculative, _bench_speculative_arguments),
     "autograde": (bench_autograde, _bench_autograde_arguments),
+    "class": (bench_class, _bench_class_arguments),
 }
+def _check_bench_class(args: argparse.Namespace) -> None:
+    course = Path(args.course) if args.course else Path(bench_class.__file__).resolve().parents[2]
+    if not (course / "nbgrader_config.py").is_file() or not (course / "solutions").is_dir():
+        raise _UsageError(f"--course {course}: not a course folder (it needs nbgrader_config.py and solutions/)")
+    _at_least("--students", args.students, 1)
+    _at_least("--workers", args.workers, 1)
+    _at_least("--project-students", args.project_students, 1)
+    _at_least("--project-cores", args.project_cores, 1)
+    _output_file("--json", args.json)
+    _output_file("--plot", args.plot)
+
+
 # name -> the check of every option, before anything runs (a mistake: one line, exit 2)
 _BENCH_CHECKS = {"train": _check_bench_train, "generate": _check_bench_generate,
-                 "speculative": _check_bench_speculative, "autograde": _check_bench_autograde}
+                 "speculative": _check_bench_speculative, "autograde": _check_bench_autograde,
+                 "class": _check_bench_class}
 
 
 def _checked_bench(name: str, run):
@@ -741,9 +769,10 @@ def _cmd_import_results(args) -> int:
 def _cmd_jobs(args) -> int:
     import shlex
 
-    from .course.autograde import _ensure_assignment, _quiet_sqlalchemy, _timestamp, submitted_students
+    from .course.autograde import ensure_assignment, submitted_students
+    from .course.notebooks import quiet_sqlalchemy, timestamp_of
 
-    _quiet_sqlalchemy()
+    quiet_sqlalchemy()
     course = _course(args)
     results = Path(args.results)
     lines = 0
@@ -751,7 +780,7 @@ def _cmd_jobs(args) -> int:
         release = course.directory("release") / assignment
         if not release.is_dir():
             raise CourseError(f"no release of {assignment} in {release}: run course release first")
-        _ensure_assignment(course, assignment)
+        ensure_assignment(course, assignment)
         for student in submitted_students(course, assignment):
             if args.student and student not in args.student:
                 continue
@@ -763,7 +792,7 @@ def _cmd_jobs(args) -> int:
                        "--notebook-out", str(out.with_suffix(".ipynb")), "--quiet"]
                 if args.timeout:
                     cmd += ["--timeout", str(args.timeout)]
-                stamp = _timestamp(sub.parent / "timestamp.txt")
+                stamp = timestamp_of(sub.parent / "timestamp.txt")
                 if stamp:
                     cmd += ["--timestamp", stamp]
                 print(shlex.join(cmd))

@@ -463,15 +463,14 @@ def test_declared_time_limits(tmp_path):
 
 
 def test_check_notebook_repairs_tampering(released):
-    from nbgrader.api import Gradebook
+    import nbformat
 
-    from gptlab.course.autograde import _reference, _source_order_and_meta
+    from gptlab.course.notebooks import release_reference
 
     name = ASSIGNMENTS[0]
     a = Assignment(released, name)
-    with Gradebook(f"sqlite:///{released / 'gradebook.db'}") as gb:
-        ref = _reference(gb, name, a.notebook)
-    order, meta = _source_order_and_meta(Course(released), name, a.notebook)
+    ref, order, meta = release_reference(nbformat.read(released / "exercises" / name / f"{a.notebook}.ipynb",
+                                                       as_version=4))
     test = graded_cells_of(a.release, a.last)[0]
 
     def check(nb, tmp):

@@ -383,3 +383,22 @@ def test_the_solutions_are_not_flagged():
             c["source"] = "".join(c["source"])
         found = source.guard_switches(source.Program(learner_cells(nb["cells"])))
         assert found == [], (name, [f.text() for f in found])
+
+
+def test_every_object_a_check_builds_in_the_learners_kernel_is_a_portable():
+    """What a check builds in the learner's process (``make(factory, ...)``, a ``__gptlab_portable__``
+    recipe) must come from gptlab.grading.portables, the one grading module the sandbox keeps."""
+    import ast
+    import re
+
+    for path in sorted((REPO / "gptlab" / "grading").glob("*.py")):
+        if path.name in ("portables.py", "remote.py", "core.py"):
+            continue
+        text = path.read_text()
+        for spec in re.findall(r"[\"'](gptlab\.[\w.]+):", text):
+            assert spec == "gptlab.grading.portables", (path.name, spec)
+        module = __import__(f"gptlab.grading.{path.stem}", fromlist=["x"])
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "make" and node.args:
+                factory = eval(ast.unparse(node.args[0]), vars(module))  # noqa: S307 - the graders' own names
+                assert factory.__module__ == "gptlab.grading.portables", (path.name, ast.unparse(node.args[0]))

@@ -45,10 +45,10 @@ from ..device import cpu_model
 from ..files import atomic_write_text
 from . import machine_name
 
-__all__ = ["run"]
+__all__ = ["run", "copy_course", "solved"]
 
 
-def _solved(release: dict, solution: dict) -> dict:
+def solved(release: dict, solution: dict) -> dict:
     answers = {c["metadata"]["nbgrader"]["grade_id"]: c["source"] for c in solution["cells"]
                if c["metadata"].get("nbgrader", {}).get("solution")}
     nb = copy.deepcopy(release)
@@ -66,7 +66,7 @@ def _submit(course: Path, assignments: list[str], students: list[str], blank_eve
     for name in assignments:
         for path in sorted((course / "exercises" / name).glob("*.ipynb")):
             release = json.loads(path.read_text())
-            solved = _solved(release, json.loads((course / "solutions" / name / path.name).read_text()))
+            solved = solved(release, json.loads((course / "solutions" / name / path.name).read_text()))
             for k, student in enumerate(students):
                 blank = blank_every > 0 and (k + 1) % blank_every == 0
                 dest = sub / student / name / path.name
@@ -145,7 +145,7 @@ def _timed(course, names: list[str], students: list[str], label: str, worker_cou
         yield w, wall, res
 
 
-def _copy_course(src: Path, course_dir: Path) -> None:
+def copy_course(src: Path, course_dir: Path) -> None:
     """The throw-away course: ``src``'s nbgrader_config.py and solutions/ copied into ``course_dir``."""
     course_dir.mkdir()
     shutil.copy(src / "nbgrader_config.py", course_dir)
@@ -263,7 +263,7 @@ def run(args) -> int:
 
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-autograde-") as tmp:
         course_dir = Path(tmp) / "course"
-        _copy_course(src, course_dir)
+        copy_course(src, course_dir)
         try:
             course = Course(course_dir)
             assignments = course.assignments()

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..files import atomic_write_text
+from .notebooks import assignment_version, release_reference, release_version, sha256_of
 
 __all__ = ["FORMAT", "grade_one", "release_reference", "assignment_version", "GradeOneError", "worker"]
 
@@ -50,60 +51,16 @@ class GradeOneError(ValueError):
     """A bad input to :func:`grade_one` (no notebook, no release): said in one line."""
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def release_reference(release_nb) -> tuple[dict, list[str], dict]:
-    """What a released notebook says of its nbgrader cells: ``(reference, order, gptlab metadata)``,
-    in the shapes :func:`gptlab.course.autograde.check_notebook` takes (grade_id -> type, released
-    source, checksum, locked, grade, solution, points; the grade_ids in order; each cell's
-    ``gptlab`` metadata, its time limit)."""
-    reference, order, meta = {}, [], {}
-    for cell in release_nb.cells:
-        nbg = cell.get("metadata", {}).get("nbgrader", {})
-        gid = nbg.get("grade_id")
-        if not gid or gid in reference:
-            continue
-        order.append(gid)
-        reference[gid] = {"name": gid, "cell_type": cell.cell_type, "source": cell.source,
-                          "checksum": nbg.get("checksum"), "locked": bool(nbg.get("locked")),
-                          "grade": bool(nbg.get("grade")), "solution": bool(nbg.get("solution")),
-                          "points": float(nbg["points"]) if nbg.get("grade") and "points" in nbg else None}
-        if "gptlab" in cell.get("metadata", {}):
-            meta[gid] = json.loads(json.dumps(cell.metadata["gptlab"]))
-    return reference, order, meta
-
-
-def assignment_version(cells: list[tuple[str, float | None, str | None]]) -> str:
-    """The version of one assignment notebook: a sha256 of its nbgrader cells' ``(grade_id,
-    points, text)``, sorted: ``points`` for graded cells, ``text`` the released source of a locked
-    cell (hidden tests removed, trailing spaces ignored), None for an answer cell. The release and
-    the gradebook give the same value for the same ``generate_assignment``; a change to a graded
-    or locked cell changes it."""
-    text = json.dumps(sorted([str(g), None if p is None else float(p), t] for g, p, t in cells))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _norm(text: str) -> str:
-    return "\n".join(line.rstrip() for line in str(text).strip().splitlines())
-
-
-def _release_version(reference: dict) -> str:
-    return assignment_version([(g, r["points"], _norm(r["source"]) if r["locked"] else None)
-                               for g, r in reference.items()])
-
-
 def _result_skeleton(notebook: Path, assignment: str, nb_name: str, student: str | None, sandbox: bool,
                      timestamp: str | None) -> dict:
     import gptlab
 
-    from .autograde import grader_digest
+    from .notebooks import grader_digest
 
     return {"format": FORMAT, "assignment": assignment, "notebook": nb_name, "student": student,
             "assignment_version": None, "gptlab_version": gptlab.__version__, "grader_sha256": grader_digest(),
             "sandbox": sandbox,
-            "timestamp": timestamp, "submission_sha256": _sha256(notebook) if notebook.is_file() else None,
+            "timestamp": timestamp, "submission_sha256": sha256_of(notebook) if notebook.is_file() else None,
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "seconds": None,
             "score": 0.0, "max_score": 0.0, "cells": {}, "comments": {}, "notes": [], "error": None}
 
@@ -137,7 +94,7 @@ def grade_one(notebook: str | os.PathLike, assignment: str, release: str | os.Pa
     """
     import nbformat
 
-    from .autograde import _cell_times, _events, _reviews, check_notebook
+    from .notebooks import cell_times, check_notebook, events, reviews
 
     t0 = time.perf_counter()
     notebook, release = Path(notebook), Path(release)
@@ -159,7 +116,7 @@ def grade_one(notebook: str | os.PathLike, assignment: str, release: str | os.Pa
     except Exception as e:  # noqa: BLE001
         raise GradeOneError(f"{release} is not a readable notebook ({type(e).__name__}: {e})") from None
     reference, order, meta = release_reference(ref_nb)
-    result["assignment_version"] = _release_version(reference)
+    result["assignment_version"] = release_version(reference)
     points = {g: r["points"] for g, r in reference.items() if r["grade"]}
     result["max_score"] = float(sum(p or 0.0 for p in points.values()))
     for gid, p in points.items():
@@ -185,9 +142,9 @@ def grade_one(notebook: str | os.PathLike, assignment: str, release: str | os.Pa
         with tempfile.TemporaryDirectory(prefix="gptlab-graded-") as tmp:
             path = Path(tmp) / f"{nb_name}.ipynb"
             nbformat.write(graded, path)
-            notes.extend(_events(path, nb_name))
-            times = _cell_times(path)
-            reviews = _reviews(path)
+            notes.extend(events(path, nb_name))
+            times = cell_times(path)
+            reviews = reviews(path)
         _score(graded, reference, result, times, reviews)
         for gid, why in reviews.items():
             notes.append({"notebook": nb_name, "cell": gid, "kind": "review", "message": (

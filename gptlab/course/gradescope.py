@@ -157,18 +157,18 @@ def export(course: Course, assignment: str, out: str | os.PathLike, *, after_due
     (the assignment, the per-cell visibilities, the time limit)."""
     import nbformat
 
-    from .autograde import _ensure_assignment, _quiet_sqlalchemy, _releases
-    from .grade_one import release_reference
+    from .autograde import ensure_assignment, releases_for
+    from .notebooks import quiet_sqlalchemy, release_reference
     from .secret import load_secret
 
-    _quiet_sqlalchemy()
+    quiet_sqlalchemy()
     if assignment not in course.assignments():
         raise CourseError(f"unknown assignment {assignment!r}")
     if timeout is not None and timeout <= 0:
         raise CourseError(f"--timeout must be a positive number of seconds, got {timeout}")
-    _ensure_assignment(course, assignment)
+    ensure_assignment(course, assignment)
     with tempfile.TemporaryDirectory(prefix="gptlab-gradescope-") as tmp:
-        releases = _releases(course, assignment, Path(tmp))
+        releases = releases_for(course, assignment, Path(tmp))
         if len(releases) != 1:
             raise CourseError(f"a Gradescope autograder grades one notebook; {assignment} has {len(releases)}")
         (nb_name, path), = releases.items()
@@ -270,7 +270,7 @@ def grade_one_blank(release: Path, assignment: str) -> dict:
     """Every graded cell of ``release`` at 0 (nothing was graded)."""
     import nbformat
 
-    from .grade_one import release_reference
+    from .notebooks import release_reference
 
     reference = release_reference(nbformat.read(release, as_version=4))[0]
     return {"cells": {g: {"points": 0.0, "max_points": r["points"], "message": "not graded", "printed": "",

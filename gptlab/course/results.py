@@ -24,7 +24,8 @@ from pathlib import Path
 
 from ..files import atomic_write_text
 from ._common import Course, CourseError
-from .grade_one import FORMAT, assignment_version
+from .grade_one import FORMAT
+from .notebooks import assignment_version, norm, quiet_sqlalchemy, released_text
 
 __all__ = ["ImportReport", "import_results", "gradebook_version", "merge_result", "read_result"]
 
@@ -45,11 +46,8 @@ def gradebook_version(gb, assignment: str, notebook: str) -> str | None:
         nb = gb.find_notebook(notebook, assignment)
     except MissingEntry:
         return None
-    from .autograde import _released_text
-    from .grade_one import _norm
-
     points = {c.name: float(c.max_score) for c in nb.grade_cells}
-    return assignment_version([(c.name, points.get(c.name), _norm(_released_text(c.source)) if c.locked else None)
+    return assignment_version([(c.name, points.get(c.name), norm(released_text(c.source)) if c.locked else None)
                                for c in nb.source_cells])
 
 
@@ -121,12 +119,10 @@ def import_results(course: Course, folder: str | Path, add_students: bool = Fals
     course's gradebook (see the module docstring). Returns what was merged and skipped."""
     from nbgrader.api import Gradebook, MissingEntry
 
-    from .autograde import _quiet_sqlalchemy
-
     folder = Path(folder)
     if not folder.is_dir():
         raise CourseError(f"no folder {folder} (expected a folder of grade-one results, RESULT.json files)")
-    _quiet_sqlalchemy()
+    quiet_sqlalchemy()
     report = ImportReport()
     paths = sorted(p for p in folder.rglob("*.json") if p.is_file())
     with Gradebook(course.gradebook_url) as gb:

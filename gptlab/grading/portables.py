@@ -3,7 +3,7 @@
 Where this sits: beside the pipeline, between the graders (:mod:`gptlab.grading`) and the learner's
 kernel. Some checks call the learner's function on an object of their own: a toy language model
 (beam search), a cache holding a few tokens (one cached attention step), a tiny GPT-2-style model
-that records what its layers saw (cached generation). In the autograder the learner's function runs
+that records what its layers saw (cached generation), a spy on a model's gradients (training). In the autograder the learner's function runs
 in a sandboxed kernel (:mod:`gptlab.course.sandbox`), so the object is sent there as a recipe
 (``__gptlab_portable__``: a factory named ``"gptlab.grading.portables:Name"`` and its arguments)
 and its state is read back (``__gptlab_state__`` / ``__gptlab_sync__``).
@@ -16,11 +16,11 @@ rather than through gptlab's caches), so it works in a kernel where those are ab
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..model import GPT, GPTConfig
 
-__all__ = ["ToyLM", "ReferenceCache", "tiny_model", "recording_tiny_model"]
+__all__ = ["ToyLM", "ReferenceCache", "tiny_model", "recording_tiny_model", "GradSpy"]
 
 
 class ToyLM:
@@ -125,3 +125,28 @@ def recording_tiny_model(seed: int = 0) -> GPT:
         blk.attn.c_attn.register_forward_hook(lambda m, a, o, i=i: seen[i].append(int(a[0].shape[1])))
     model.__gptlab_state__ = lambda: seen
     return model
+
+
+class GradSpy:
+    """Counts backward passes that found a parameter's ``.grad`` still holding an earlier step's
+    gradient (no ``zero_grad`` between steps): the training check puts one on the learner's model."""
+
+    def __init__(self, p: Tensor):
+        self.calls = 0
+        self.stale = 0
+        self._p = p
+        self._handle = p.register_hook(self._hook)
+
+    def _hook(self, grad: Tensor) -> None:
+        self.calls += 1
+        old = self._p.grad
+        if old is not None and bool(old.abs().sum() > 0):
+            self.stale += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    @classmethod
+    def on_model(cls, model: nn.Module) -> GradSpy:
+        """A spy on the model's first parameter."""
+        return cls(next(model.parameters()))
