@@ -313,6 +313,32 @@ def _check_student(graded, name: str, student: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["causal_mask", "sampling", "speculative"])
+def test_grade_one_and_import_results_give_the_scores_of_course_autograde(graded, name, tmp_path):
+    """The solution, the blank release and a planted mistake, each graded alone by
+    ``course grade-one`` (a subprocess, as a cluster job runs it) and merged with ``course
+    import-results`` into a fresh copy of the course: the gradebook rows equal course autograde's."""
+    course, plan, results, _ = graded
+    students = ["solution", "blank"] + [s for (a, s) in plan if a == name and s.startswith("mistake")][:1]
+    copy_dir = tmp_path / "course"
+    shutil.copytree(course, copy_dir, ignore=shutil.ignore_patterns("gradebook.db", "autograded", "feedback"))
+    out = tmp_path / "results"
+    release = course / "exercises" / name
+    for student in students:
+        nb = next((course / "submitted" / student / name).glob("*.ipynb"))
+        done = subprocess.run([sys.executable, "-m", "gptlab", "course", "grade-one", str(nb), "--assignment", name,
+                               "--release", str(release), "--student", student, "--timeout", str(TIMEOUT),
+                               "--out", str(out / f"{student}.json"), "--quiet"], capture_output=True, text=True,
+                              timeout=900)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert _run("release", name, "--course", str(copy_dir), "--quiet") == 0
+    assert _run("import-results", str(out), "--course", str(copy_dir)) == 0
+    want = {k: v for k, v in _scores(course).items() if k[0] == name and k[1] in students}
+    got = {k: v for k, v in _scores(copy_dir).items() if k[0] == name}
+    assert got == want
+
+
+@pytest.mark.slow
 def test_an_endless_loop_costs_bounded_time(graded):
     """The looping student's job ends within a few time limits (two cells call the loop at most)."""
     _, _, results, _ = graded

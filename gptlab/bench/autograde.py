@@ -45,7 +45,7 @@ from ..device import cpu_model
 from ..files import atomic_write_text
 from . import machine_name
 
-__all__ = ["run", "copy_course", "solved"]
+__all__ = ["run", "copy_course", "solved", "released_copy"]
 
 
 def solved(release: dict, solution: dict) -> dict:
@@ -151,6 +151,17 @@ def copy_course(src: Path, course_dir: Path) -> None:
     shutil.copy(src / "nbgrader_config.py", course_dir)
     shutil.copytree(src / "solutions", course_dir / "solutions",
                     ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
+
+
+def released_copy(src: Path, folder: Path) -> tuple[Course, list[str]]:
+    """The throw-away course ``folder/course`` (:func:`copy_course`), released; its assignments.
+    Raises :class:`CourseError` where it cannot be released."""
+    course_dir = folder / "course"
+    copy_course(src, course_dir)
+    course = Course(course_dir)
+    assignments = course.assignments()
+    release(course, assignments, progress=False)
+    return course, assignments
 
 
 def _one_submission(course_dir: Path, assignments: list[str], worker_counts: list[int], timed, fig: dict) -> bool:
@@ -262,15 +273,12 @@ def run(args) -> int:
     cells: dict[str, float] = {}
 
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-autograde-") as tmp:
-        course_dir = Path(tmp) / "course"
-        copy_course(src, course_dir)
         try:
-            course = Course(course_dir)
-            assignments = course.assignments()
-            release(course, assignments, progress=False)
+            course, assignments = released_copy(src, Path(tmp))
         except CourseError as e:
             print(f"gptlab bench autograde: error: {e}")
             return 2
+        course_dir = course.root
         fig["assignments"] = assignments
         print(f"machine: {fig['machine']}")
         print(f"load average before: {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}")

@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ..course import Course, CourseError, release
+from ..course import CourseError
 from ..course.autograde import autograde
 from ..device import cpu_model
 from ..files import atomic_write_text
 from . import machine_name
-from .autograde import copy_course, solved
+from .autograde import released_copy, solved
 
 __all__ = ["run"]
 
@@ -110,15 +110,12 @@ def run(args) -> int:
                  "cpu_count": os.cpu_count(), "torch": torch.__version__, "students": args.students,
                  "workers": args.workers, "load_average_before": os.getloadavg()}
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-class-") as tmp:
-        course_dir = Path(tmp) / "course"
-        copy_course(src, course_dir)
         try:
-            course = Course(course_dir)
-            assignments = course.assignments()
-            release(course, assignments, progress=False)
+            course, assignments = released_copy(src, Path(tmp))
         except CourseError as e:
             print(f"gptlab bench class: error: {e}")
             return 2
+        course_dir = course.root
         students = [f"student{k:03d}" for k in range(args.students)]
         kinds = _submit(course_dir, assignments, students)
         print(f"machine: {fig['machine']}")
