@@ -71,6 +71,10 @@ def exists(p):
 paths = json.loads(PATHS)
 for name, p in paths.items():
     out["sees_" + name] = exists(p)
+try:
+    out["views"] = os.listdir(paths["views"])
+except Exception as e:
+    out["views"] = type(e).__name__
 out["home"] = os.environ.get("HOME")
 out["cwd"] = os.getcwd()
 out["env_has_secret"] = "GPTLAB_GRADING_SECRET" in os.environ
@@ -135,12 +139,14 @@ def test_what_a_kernel_sees_and_reaches_from_inside(tmp_path):
     port = listener.getsockname()[1]
     paths = {"course": str(course), "gradebook": str(course / "gradebook.db"), "solutions": str(REPO / "solutions"),
              "repo_git": str(REPO / ".git"), "secret": str(secret_path()), "home_config": str(Path.home() / ".config"),
-             "port": port}
+             "port": port, "views": str(cache_dir() / "sandbox")}
+    sandbox.package_view("attention")  # another assignment's copy: it holds causal_mask's reference
     done = _run_inside(tmp_path, PROBE.replace("PATHS", repr(json.dumps(paths))))
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     for name in ("course", "gradebook", "solutions", "repo_git", "secret", "home_config"):
         assert got[f"sees_{name}"] is False, (name, got)
+    assert got["views"] == [], got["views"]  # no other assignment's copy of gptlab to import from
     assert got["home"] == sandbox.HOME and got["cwd"].startswith(sandbox.HOME)
     assert got["env_has_secret"] is False
     assert got["ppid"] == 1 and len(got["processes"]) <= 4, got["processes"]  # bwrap's init, this, its child

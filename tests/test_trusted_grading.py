@@ -415,6 +415,14 @@ def _attacks(r: _Release, course: Path, outside: Path, port: int, victim_db: Pat
              "    code = f'import gptlab, json; print(json.dumps(gptlab.causal_mask({T}).tolist()))'\n"
              "    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)\n"
              "    return torch.tensor(json.loads(out.stdout), dtype=torch.bool)\n")
+    from gptlab.assets import cache_dir
+
+    views = str(cache_dir() / "sandbox")
+    child_view = ("import glob, json, os, subprocess, sys\n\ndef causal_mask(T):\n"
+                  f"    env = {{**os.environ, 'PYTHONPATH': ':'.join(glob.glob({views!r} + '/*'))}}\n"
+                  "    code = f'import gptlab, json; print(json.dumps(gptlab.causal_mask({T}).tolist()))'\n"
+                  "    out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True)\n"
+                  "    return torch.tensor(json.loads(out.stdout), dtype=torch.bool)\n")
     source_exec = ("import gptlab.masks\n"
                    "_src = open(gptlab.masks.__file__).read()\n_ns = {}\nexec(_src, _ns)\n"
                    "causal_mask = _ns['causal_mask']\n")
@@ -432,6 +440,7 @@ def _attacks(r: _Release, course: Path, outside: Path, port: int, victim_db: Pat
         "atk_delegate": (r.answer("causal_mask", delegate), CM_MASK_LOST, "gptlab.causal_mask"),
         "atk_child": (r.answer("causal_mask", child), CM_MASK_LOST, "causal_mask"),
         "atk_source": (r.answer("causal_mask", source_exec), CM_MASK_LOST, "not available while the autograder runs"),
+        "atk_other_copy": (r.answer("causal_mask", child_view), CM_MASK_LOST, "causal_mask"),
         "atk_network": (r.extra(r.release, network), zero, "not written yet"),
         "atk_memory": (r.extra(r.release, memory), zero, "not written yet"),
     }
@@ -655,7 +664,7 @@ def _outputs(root: Path, name: str, student: str, every_cell: bool = False) -> s
 
 
 ATTACKERS = ["atk_gradebook", "atk_daemon", "atk_grader", "atk_kill", "atk_snoop", "atk_delegate", "atk_child",
-             "atk_source", "atk_network", "atk_memory"]
+             "atk_source", "atk_other_copy", "atk_network", "atk_memory"]
 HONEST_STUDENTS = ["honest_types", "honest_gc", "honest_pickle", "honest_itemgetter", "honest_habits1", "honest_habits2"]
 STUDENTS = ["solution", "blank", "subclass", "buffer8", "setprofile", "alias", "thread", "exec_source",
             "solution_file", "warns", "markdown", "loop", "extra_file", "planted"] + HONEST_STUDENTS + ATTACKERS

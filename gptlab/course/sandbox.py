@@ -125,6 +125,13 @@ def unavailable() -> str | None:
 
 
 _KEEP_GRADING = {"core.py", "remote.py", "portables.py"}
+_CACHE_HIDDEN = ("sandbox", "native")
+"""Folders of the gptlab cache the sandbox does not see: the assignments' copies of gptlab (another
+assignment's copy holds this one's references) and the C++ decode step (a model's decode step that
+the ``kv_cache`` checks forbid, written in C++)."""
+_KEEP_VIEWS_S = 6 * 3600
+"""A copy of the package for an older gptlab is removed once unused this long (a running kernel's
+copy was touched when it started)."""
 """The graders' modules the sandbox keeps: the framework the kernel's server uses, and the objects the
 checks hand to the learner's code. Every other module of ``gptlab/grading`` is a stub."""
 
@@ -224,6 +231,26 @@ def _digest(src: Path, notebook: str) -> str:
     return h.hexdigest()[:20]
 
 
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _prune(base: Path, notebook: str, keep: Path) -> None:
+    """Remove the copies of the package made for ``notebook`` by another gptlab version and unused
+    for :data:`_KEEP_VIEWS_S` (every code change makes a new one)."""
+    import time as _time
+
+    for old in base.glob(f"{notebook}-*"):
+        try:
+            if old != keep and old.is_dir() and _time.time() - old.stat().st_mtime > _KEEP_VIEWS_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def package_view(notebook: str) -> Path:
     """The folder holding ``gptlab/`` as the sandbox of assignment notebook ``notebook`` has it.
 
@@ -247,7 +274,9 @@ def package_view(notebook: str) -> Path:
         base.mkdir(parents=True, exist_ok=True)
     dest = base / f"{notebook}-{digest}"
     if (dest / "gptlab" / "__init__.py").is_file():
+        _touch(dest)
         return dest
+    _prune(base, notebook, keep=dest)
     targets = forbidden_targets(notebook)
     per_file: dict[Path, tuple[dict[str, str], dict[str, str]]] = {}
     import inspect
@@ -391,6 +420,9 @@ def command(argv: list[str], *, runtime: Path, view: Path | None, limits: Limits
         args += ["--ro-bind", str(view / "gptlab"), str(_package_dir())]
     if cache is not None and cache.is_dir():
         args += ["--ro-bind", str(cache), str(cache)]
+        for hidden in _CACHE_HIDDEN:  # other assignments' copies of gptlab hold this one's references
+            if (cache / hidden).is_dir():
+                args += ["--tmpfs", str(cache / hidden)]
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
     for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where the machine has one
         args += ["--dev-bind", str(dev), str(dev)]

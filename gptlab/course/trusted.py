@@ -144,12 +144,14 @@ class TrustedGrader:
             except core.ExerciseError as e:
                 return self._failure(e, conn)
         printed = io.StringIO()
+        visible_output = None
         core.record_forbidden(True)
         verdict = None
         try:
             with contextlib.redirect_stdout(printed):
                 task.check(*handles, **task.visible)
                 if task.hidden is not None:
+                    visible_output = len(conn.output)  # what the hidden run prints is not shown (it shows its inputs)
                     try:
                         task.check(*handles, **task.hidden(hidden_seed(self.secret, self.notebook, grade_id)))
                     except core.ExerciseError as e:
@@ -164,6 +166,9 @@ class TrustedGrader:
             verdict = Verdict(False, f"{label} could not be checked: {type(e).__name__}: {e}", "mistake", conn.output)
         finally:
             forbidden = core.record_forbidden(False)
+            if visible_output is not None and len(conn.output) > visible_output:
+                del conn.output[visible_output:]
+                conn.output.append("(what your code printed on the autograder's hidden inputs is not shown)")
         found = source.delegation(self.program, task.names, forbidden)
         if found:
             lines = "\n".join("  " + f.text() for f in found[:5])
