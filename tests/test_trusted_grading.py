@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from gptlab.course import Course
-from gptlab.course.trusted import TrustedGrader, learner_cells
+from gptlab.course.trusted import TrustedGrader
 from gptlab.grading import core, remote, source
 from gptlab.grading.tasks import TASKS, hidden_seed
 

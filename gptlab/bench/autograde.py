@@ -45,10 +45,10 @@ from ..device import cpu_model
 from ..files import atomic_write_text
 from . import machine_name
 
-__all__ = ["run", "copy_course", "solved", "released_copy"]
+__all__ = ["run", "copy_course", "solved_notebook", "released_copy"]
 
 
-def solved(release: dict, solution: dict) -> dict:
+def solved_notebook(release: dict, solution: dict) -> dict:
     answers = {c["metadata"]["nbgrader"]["grade_id"]: c["source"] for c in solution["cells"]
                if c["metadata"].get("nbgrader", {}).get("solution")}
     nb = copy.deepcopy(release)
@@ -66,7 +66,7 @@ def _submit(course: Path, assignments: list[str], students: list[str], blank_eve
     for name in assignments:
         for path in sorted((course / "exercises" / name).glob("*.ipynb")):
             release = json.loads(path.read_text())
-            solved = solved(release, json.loads((course / "solutions" / name / path.name).read_text()))
+            solved = solved_notebook(release, json.loads((course / "solutions" / name / path.name).read_text()))
             for k, student in enumerate(students):
                 blank = blank_every > 0 and (k + 1) % blank_every == 0
                 dest = sub / student / name / path.name

@@ -32,7 +32,7 @@ from ..course.autograde import autograde
 from ..device import cpu_model
 from ..files import atomic_write_text
 from . import machine_name
-from .autograde import released_copy, solved
+from .autograde import released_copy, solved_notebook
 
 __all__ = ["run"]
 
@@ -55,7 +55,7 @@ def _submit(course: Path, assignments: list[str], students: list[str]) -> dict[s
         for path in sorted((course / "exercises" / name).glob("*.ipynb")):
             rel = json.loads(path.read_text())
             solution = json.loads((course / "solutions" / name / path.name).read_text())
-            solved = solved(rel, solution)
+            solved = solved_notebook(rel, solution)
             answers = [c for c in solved["cells"] if c["metadata"].get("nbgrader", {}).get("solution")]
             partly = json.loads(json.dumps(solved))
             if answers:  # the last answer cell as released

@@ -27,8 +27,6 @@ How it works, once for the whole run:
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
 import queue
@@ -41,8 +39,8 @@ import time
 from pathlib import Path
 
 from ._common import NOTES_DIR, Course, CourseError, run_converter
-from .notebooks import (cell_times, check_notebook, events, grader_digest, norm, quiet_sqlalchemy, release_reference,
-                        release_version, released_text, reviews, sha256_of, timestamp_of)
+from .notebooks import (check_notebook, grader_digest, quiet_sqlalchemy, release_reference,
+                        release_version, sha256_of, timestamp_of)
 
 _quiet_sqlalchemy = quiet_sqlalchemy  # the name the tests and older callers use
 

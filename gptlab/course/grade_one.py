@@ -27,7 +27,6 @@ bad input (no such notebook or release), 1 a failure of the grader (the result f
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,7 +35,6 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from ..files import atomic_write_text
 from .notebooks import assignment_version, release_reference, release_version, sha256_of
@@ -170,6 +168,7 @@ def _finish(result: dict, t0: float, out) -> dict:
 def _run(nb, nb_name: str, assignment: str, student: str | None, timeout: int | None, sandbox: bool):
     """The repaired notebook run as nbgrader's Autograde runs it: outputs cleared, executed by
     GptlabExecute, outputs limited."""
+    import nbformat
     from nbgrader.preprocessors import ClearOutput, IgnorePattern, LimitOutput
     from traitlets.config import Config
 
@@ -182,7 +181,7 @@ def _run(nb, nb_name: str, assignment: str, student: str | None, timeout: int | 
     resources = {"nbgrader": {"notebook": nb_name, "assignment": assignment, "student": student or ""}}
     nb, resources = ClearOutput(config=cfg).preprocess(nb, resources)
     with tempfile.TemporaryDirectory(prefix="gptlab-one-") as folder:
-        nbformat_write(nb, Path(folder) / f"{nb_name}.ipynb")
+        nbformat.write(nb, Path(folder) / f"{nb_name}.ipynb")
         resources["metadata"] = {"path": folder}
         executor = GptlabExecute(config=cfg)
         executor.log.setLevel(logging.ERROR)
@@ -190,12 +189,6 @@ def _run(nb, nb_name: str, assignment: str, student: str | None, timeout: int | 
     for pre in (IgnorePattern(config=cfg), LimitOutput(config=cfg)):
         nb, resources = pre.preprocess(nb, resources)
     return nb
-
-
-def nbformat_write(nb, path: Path) -> None:
-    import nbformat
-
-    nbformat.write(nb, path)
 
 
 def _score(nb, reference: dict, result: dict, times: dict, reviews: dict) -> None:

@@ -120,7 +120,7 @@ def package_wheel() -> tuple[str, bytes]:
     for path in sorted(root.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".so"):
             files[f"gptlab/{path.relative_to(root).as_posix()}"] = path.read_bytes()
-    meta = [f"Metadata-Version: 2.1", f"Name: gptlab", f"Version: {version}"]
+    meta = ["Metadata-Version: 2.1", "Name: gptlab", f"Version: {version}"]
     for key in ("Summary", "Requires-Python", "License-Expression", "License"):
         if dist.metadata.get(key):
             meta.append(f"{key}: {dist.metadata[key]}")

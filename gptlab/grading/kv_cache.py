@@ -31,7 +31,7 @@ from .. import generation as _generation
 from .. import kvcache as _kvcache
 from ..attention import CausalSelfAttention, attention, merge_heads, split_heads
 from ..masks import causal_mask
-from ..model import GPT, Block, GPTConfig
+from ..model import GPT, Block
 from .core import (Candidate, ExerciseError, Forbidden, call, call_by_keyword, entries_of, expect_close,
                    expect_number, expect_tensor, require_function, same, show_number, show_tensor)
 from .portables import ReferenceCache, recording_tiny_model, tiny_model  # noqa: F401 (public here too)

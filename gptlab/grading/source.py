@@ -28,9 +28,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
-import os
 import re
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
