@@ -260,3 +260,21 @@ def test_setup_sh_installs_a_working_autograder_in_a_fresh_environment(tmp_path)
     results = json.loads((layout / "results" / "results.json").read_text())
     _check_format(results)
     assert results["score"] == 3.0
+
+
+@pytest.mark.slow
+def test_bench_class_reports_a_class_through_grade_one(tmp_path):
+    """`bench class` on a small torch-free course: every synthetic student graded, the figures and
+    the plot written (the measured run is in benchmarks/results/)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(REPO / "nbgrader_config.py", src)
+    _tiny(src, "alpha")
+    out, plot = tmp_path / "class.json", tmp_path / "class.png"
+    assert main(["bench", "class", "--course", str(src), "--students", "4", "--workers", "2", "--quiet",
+                 "--json", str(out), "--plot", str(plot)]) == 0
+    fig = json.loads(out.read_text())
+    assert fig["jobs"] == 4 and fig["per_assignment"]["alpha"]["jobs"] == 4 and plot.stat().st_size > 1000
+    assert fig["scores_by_kind"] == {"correct": [3.0], "partly": [2.0], "blank": [0.0], "hostile": [0.0]}
+    assert 0 < fig["projection"]["hours"] <= fig["projection"]["worst_case_hours"]
+    assert len(fig["job_times"]) == 4 and fig["slowest_job"]["seconds"] > 0

@@ -12,7 +12,9 @@ sandbox (:mod:`gptlab.course.grade_one`). It reports:
   assignment's job times (mean, median, 90th percentile, maximum);
 * the projection for ``--project-students`` students x every assignment on ``--project-cores``
   cores (one job per core): the summed job time of a class whose students are like these,
-  divided by the cores, assuming cores as fast as this machine's;
+  divided by the cores, assuming cores as fast as this machine's; and the same if every job took
+  the longest time seen for its assignment (a class of correct, complete submissions is nearer
+  this one: the graded training runs in full);
 * a plot of the jobs over time, one row per worker (``--plot``), and the figures as JSON.
 """
 
@@ -86,7 +88,7 @@ def _plot(jobs: list[dict], path: Path, title: str) -> None:
     slots = sorted({j["slot"] for j in jobs})
     names = sorted({j["assignment"] for j in jobs})
     colours = {n: plt.get_cmap("tab10")(k % 10) for k, n in enumerate(names)}
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.5 * len(slots)))
+    fig, ax = plt.subplots(figsize=(11, 1.6 + 0.45 * len(slots)))
     for j in jobs:
         ax.barh(slots.index(j["slot"]), j["t1"] - j["t0"], left=j["t0"] - t_start, color=colours[j["assignment"]],
                 edgecolor="white", linewidth=0.5)
@@ -94,7 +96,7 @@ def _plot(jobs: list[dict], path: Path, title: str) -> None:
     ax.set_xlabel("seconds since the run started")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names]
-    ax.legend(handles, names, ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -140,6 +142,9 @@ def run(args) -> int:
     job_seconds = sum(j["t1"] - j["t0"] for j in jobs)
     per_student = job_seconds / max(1, len(students))
     projected = args.project_students * per_student / args.project_cores
+    # the same class if every student's every job took the longest time seen for its assignment
+    worst_student = sum(st["max_s"] for st in per_assignment.values())
+    worst = args.project_students * worst_student / args.project_cores
     fig.update({"assignments": assignments, "jobs": n, "wall_s": wall,
                 "jobs_per_core_hour": n / (args.workers * wall / 3600) if wall else None,
                 "mean_job_s": job_seconds / n if n else None, "job_seconds": job_seconds,
@@ -150,7 +155,12 @@ def run(args) -> int:
                 "scores_by_kind": {k: sorted(set(v)) for k, v in totals_by_kind.items()},
                 "projection": {"students": args.project_students, "assignments": len(assignments),
                                "cores": args.project_cores, "job_seconds_per_student": per_student,
-                               "hours": projected / 3600},
+                               "hours": projected / 3600,
+                               "worst_case_job_seconds_per_student": worst_student,
+                               "worst_case_hours": worst / 3600},
+                "job_times": [{"assignment": j["assignment"], "kind": kinds[j["student"]], "slot": j["slot"],
+                               "start_s": j["t0"] - min(x["t0"] for x in jobs), "seconds": j["t1"] - j["t0"]}
+                              for j in jobs],
                 "load_average_after": os.getloadavg()})
     print(f"{n} jobs in {wall:.1f} s with {args.workers} worker(s): {fig['jobs_per_core_hour']:.0f} jobs per core-hour, "
           f"mean job {fig['mean_job_s']:.2f} s")
@@ -161,7 +171,8 @@ def run(args) -> int:
         print(f"  {a:14s} {st['jobs']:4d} jobs  mean {st['mean_s']:6.2f} s  median {st['median_s']:6.2f} s  "
               f"p90 {st['p90_s']:6.2f} s  max {st['max_s']:6.2f} s")
     print(f"projection: {args.project_students} students x {len(assignments)} assignments on {args.project_cores} "
-          f"cores: {projected / 3600:.2f} h ({per_student:.1f} job-seconds per student, cores as fast as these)")
+          f"cores: {projected / 3600:.2f} h ({per_student:.1f} job-seconds per student, cores as fast as these); "
+          f"if every job took its assignment's longest time: {worst / 3600:.2f} h ({worst_student:.1f} s per student)")
     if args.plot and jobs:
         _plot(jobs, Path(args.plot), f"{len(students)} students x {len(assignments)} assignments, "
                                      f"{args.workers} worker(s), {fig['machine'].split(',')[0]}")
