@@ -11,7 +11,10 @@ the chapter runs: no data, no model), and the graded names from it go through th
 with the notebook's visible arguments, then with the hidden run's arguments for one seed.
 
 A chapter that writes a graded piece under another name, with another signature, or leans on a
-cell's state fails here, naming the chapter and the name.
+cell's state fails here, naming the chapter and the name. A second test checks that the chapter
+itself calls the task's check on its own definitions (``grading.check_x(x)``), so that its reader
+sees the piece pass. Only the graded training run (``gpt_training``'s ``train``, about 20 s on 2
+cores) is marked slow.
 """
 
 from __future__ import annotations
@@ -122,7 +125,34 @@ def chapter_namespace(chapter: str, names: tuple[str, ...]) -> dict:
 def test_every_assignment_has_a_chapter_and_37_graded_cells():
     assert set(CHAPTERS) == set(TASKS)
     assert len(CELLS) == 37
-    assert len({n for a in TASKS for cell in TASKS[a].values() for n in cell.names}) == 37 + 0  # train's GPT is task 1's
+    names = {n for a in TASKS for cell in TASKS[a].values() for n in cell.names}
+    assert len(names) == 37  # test_train grades train with task 1's GPT
+
+
+@cache
+def _calls(chapter: str) -> set[tuple[str, tuple[str, ...]]]:
+    """(function name, names of its positional arguments) of every call in the chapter's code."""
+    nb = json.loads((REPO / "book" / f"{chapter}.ipynb").read_text())
+    out = set()
+    for cell in nb["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or source.lstrip().startswith(("%", "!")):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", None)
+                out.add((func, tuple(a.id if isinstance(a, ast.Name) else "" for a in node.args)))
+    return out
+
+
+@pytest.mark.parametrize("assignment,grade_id", CELLS, ids=[f"{a}-{g.removeprefix('test_')}" for a, g in CELLS])
+def test_the_chapter_runs_the_assignments_check(assignment: str, grade_id: str):
+    """The chapter itself calls the check on its own definitions (``grading.check_x(x)``), so that a
+    reader sees it pass."""
+    cell = TASKS[assignment][grade_id]
+    check = cell.check.__name__
+    assert (check, cell.names) in _calls(CHAPTERS[assignment]), (
+        f"book/{CHAPTERS[assignment]}.ipynb never calls {check}({', '.join(cell.names)})")
 
 
 @pytest.mark.parametrize("assignment,grade_id", [
