@@ -9,7 +9,9 @@ Three tokenizers, one interface (``encode(str) -> list[int]``, ``decode(ids) -> 
 * :class:`GPT2Tokenizer`: OpenAI's GPT-2 byte-level BPE (50,257 ids) through ``tiktoken``, built
   from the verified ``vocab.bpe`` / ``encoder.json`` files so it works offline.
 * :class:`BPETokenizer` + :func:`train_bpe`: a small byte-level BPE trainer written for reading,
-  whose ordered ``merges`` a chapter can print (checked against ``tiktoken._educational``).
+  whose ordered ``merges`` a chapter can print (checked against ``tiktoken._educational``), with
+  optional special tokens (``<|endoftext|>`` and the like): kept whole, never merged with the text
+  around them, encoded to ids of their own after the merges' ids, as GPT-2 does.
 """
 
 from __future__ import annotations
@@ -277,20 +279,55 @@ def _show(b: bytes) -> str:
         return repr(b)[1:]  # b'\xe2\x80' -> '\xe2\x80'
 
 
+def _check_special_tokens(special_tokens: Any) -> list[str]:
+    """A list of distinct non-empty strings (None: no special token)."""
+    if special_tokens is None:
+        return []
+    if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, Iterable):
+        raise TypeError(f"special_tokens must be a list of strings, got {type(special_tokens).__name__}")
+    out = list(special_tokens)
+    for t in out:
+        if not isinstance(t, str) or not t:
+            raise ValueError(f"a special token must be a non-empty str, got {t!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"special_tokens has duplicates: {out!r}")
+    return out
+
+
+def _special_splitter(special_tokens: Sequence[str]):
+    """A compiled regex whose ``split`` cuts text around the special tokens and keeps them (the
+    longest first where one contains another: ``<|a|><|a|>`` before ``<|a|>``); None if none."""
+    import regex
+
+    if not special_tokens:
+        return None
+    alternatives = sorted(special_tokens, key=len, reverse=True)
+    return regex.compile("(" + "|".join(regex.escape(t) for t in alternatives) + ")")
+
+
 class BPETokenizer(_SavedAsJSON):
-    """Byte-level BPE: ids 0..255 are the bytes, then one new id per merge, in order.
+    """Byte-level BPE: ids 0..255 are the bytes, then one new id per merge, in order, then one id
+    per special token.
 
     Args:
         merges: ordered ``[((left_id, right_id), new_id), ...]``; ``new_id`` must be
             ``256 + position`` (the i-th merge creates id 256 + i).
         pat_str: the regex that first splits text into chunks; merges never cross chunks.
+        special_tokens: strings kept whole (``["<|endoftext|>"]``, say), with the ids
+            ``256 + len(merges)``, ``256 + len(merges) + 1``, ... in the order given. ``encode``
+            cuts the text at every occurrence (the longest special token first where two overlap),
+            encodes the pieces between them as usual and each occurrence as its id, so a special
+            token is never merged with its neighbours (what tiktoken does with ``allowed_special``);
+            ``decode`` writes it back as its text.
 
     Attributes:
         merges: the ordered merges as given.
-        vocab: ``dict[id, bytes]`` for every id.
+        special_tokens: ``dict[str, id]``.
+        vocab: ``dict[id, bytes]`` for every id (a special token's: its UTF-8 text).
     """
 
-    def __init__(self, merges: Sequence[tuple[tuple[int, int], int]], pat_str: str = GPT2_SPLIT_PATTERN):
+    def __init__(self, merges: Sequence[tuple[tuple[int, int], int]], pat_str: str = GPT2_SPLIT_PATTERN,
+                 special_tokens: Sequence[str] | None = None):
         import regex
 
         self.pat_str = pat_str
@@ -313,16 +350,24 @@ class BPETokenizer(_SavedAsJSON):
             self.merges.append(((a, b), new))
             self.ranks[(a, b)] = new
             self.vocab[new] = self.vocab[a] + self.vocab[b]
+        first = 256 + len(self.merges)
+        specials = _check_special_tokens(special_tokens)
+        self.special_tokens: dict[str, int] = {t: first + k for k, t in enumerate(specials)}
+        for t, i in self.special_tokens.items():
+            self.vocab[i] = t.encode("utf-8")
+        self._special = _special_splitter(specials)
         self._chunk_cache: dict[str, list[int]] = {}
 
     @property
     def vocab_size(self) -> int:
-        return 256 + len(self.merges)
+        return 256 + len(self.merges) + len(self.special_tokens)
 
     def mergeable_ranks(self) -> dict[bytes, int]:
-        """``{token bytes: id}``, the format of ``tiktoken`` (raises if two ids share bytes)."""
-        out = {b: i for i, b in self.vocab.items()}
-        if len(out) != len(self.vocab):
+        """``{token bytes: id}`` of the bytes and the merges (the special tokens apart), the format of
+        ``tiktoken`` (raises if two ids share bytes)."""
+        n = 256 + len(self.merges)
+        out = {b: i for i, b in self.vocab.items() if i < n}
+        if len(out) != n:
             raise ValueError("two token ids have the same bytes; no tiktoken-style rank table exists")
         return out
 
@@ -347,10 +392,23 @@ class BPETokenizer(_SavedAsJSON):
         return ids
 
     def encode(self, text: str) -> list[int]:
-        """Text -> ids: split with ``pat_str``, then apply the merges inside each chunk."""
+        """Text -> ids: cut at the special tokens (each becomes its id), split the text between them
+        with ``pat_str``, then apply the merges inside each chunk."""
+        _check_text(text)
+        if self._special is None:
+            return self._encode_ordinary(text)
+        out: list[int] = []
+        for k, piece in enumerate(self._special.split(text)):
+            if k % 2:  # split() puts the special tokens it cut at (its captured group) at the odd places
+                out.append(self.special_tokens[piece])
+            elif piece:
+                out.extend(self._encode_ordinary(piece))
+        return out
+
+    def _encode_ordinary(self, text: str) -> list[int]:
         out: list[int] = []
         cache = self._chunk_cache
-        for chunk in self._pat.findall(_check_text(text)):
+        for chunk in self._pat.findall(text):
             ids = cache.get(chunk)
             if ids is None:
                 ids = self._encode_chunk(chunk.encode("utf-8"))
@@ -380,26 +438,39 @@ class BPETokenizer(_SavedAsJSON):
         return [self.render_merge(k) for k in range(n)]
 
     def to_dict(self) -> dict:
-        return {"type": "bpe", "pat_str": self.pat_str, "merges": [[a, b, new] for (a, b), new in self.merges]}
+        d = {"type": "bpe", "pat_str": self.pat_str, "merges": [[a, b, new] for (a, b), new in self.merges]}
+        if self.special_tokens:
+            d["special_tokens"] = list(self.special_tokens)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "BPETokenizer":
         if not isinstance(d, dict) or d.get("type") != "bpe" or "merges" not in d:
             raise ValueError(f"expected a dict with type 'bpe' and 'merges', got {d!r:.200}")
-        return cls([((a, b), new) for a, b, new in d["merges"]], d.get("pat_str", GPT2_SPLIT_PATTERN))
+        return cls([((a, b), new) for a, b, new in d["merges"]], d.get("pat_str", GPT2_SPLIT_PATTERN),
+                   d.get("special_tokens"))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, BPETokenizer) and self.merges == other.merges and self.pat_str == other.pat_str
+        return (isinstance(other, BPETokenizer) and self.merges == other.merges and self.pat_str == other.pat_str
+                and self.special_tokens == other.special_tokens)
 
     def __repr__(self) -> str:
-        return f"BPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)})"
+        special = f", special_tokens={list(self.special_tokens)!r}" if self.special_tokens else ""
+        return f"BPETokenizer(vocab_size={self.vocab_size}, merges={len(self.merges)}{special})"
 
 
 def train_bpe(text: str, vocab_size: int, *, pat_str: str = GPT2_SPLIT_PATTERN,
-              verbose: bool = False) -> BPETokenizer:
-    """Learn ``vocab_size - 256`` byte-pair merges from ``text``.
+              special_tokens: Sequence[str] | None = None, verbose: bool = False) -> BPETokenizer:
+    """Learn ``vocab_size - 256 - len(special_tokens)`` byte-pair merges from ``text``.
 
-    The algorithm: split ``text`` into chunks with ``pat_str``; write every chunk as its UTF-8
+    ``special_tokens`` (``["<|endoftext|>"]``, say, the separator between documents) are part of
+    the vocabulary (``vocab_size`` counts them, as Stanford CS336's trainer does) but of no merge:
+    the text is first cut at every occurrence (the longest first where two overlap) and only the
+    pieces between them are trained on, so no merge crosses a document boundary and nothing is
+    learned from a special token's own characters. They get the ids after the merges', in the order
+    given (:class:`BPETokenizer`).
+
+    The algorithm: split the text into chunks with ``pat_str``; write every chunk as its UTF-8
     bytes (ids 0..255); then repeatedly count all adjacent pairs of ids inside chunks, and
     replace the most frequent pair everywhere by a new id (256, 257, ...). Ties go to the pair
     seen first when reading the text, as in ``tiktoken._educational.bpe_train``, whose result
@@ -414,13 +485,19 @@ def train_bpe(text: str, vocab_size: int, *, pat_str: str = GPT2_SPLIT_PATTERN,
     _check_text(text)
     if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
         raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
-    if vocab_size < 256:
-        raise ValueError(f"vocab_size must be at least 256 (one id per byte), got {vocab_size}")
+    specials = _check_special_tokens(special_tokens)
+    if vocab_size < 256 + len(specials):
+        raise ValueError(f"vocab_size must be at least 256 (one id per byte) + {len(specials)} (the special "
+                         f"tokens), got {vocab_size}")
 
-    # distinct chunks in order of first appearance, with their counts
+    # the text between the special tokens (they are left out), then its distinct chunks in order of
+    # first appearance, with their counts
+    splitter = _special_splitter(specials)
+    pieces = splitter.split(text)[::2] if splitter is not None else [text]
     freq: dict[str, int] = {}
-    for chunk in regex.findall(pat_str, text):
-        freq[chunk] = freq.get(chunk, 0) + 1
+    for piece in pieces:
+        for chunk in regex.findall(pat_str, piece):
+            freq[chunk] = freq.get(chunk, 0) + 1
     words: list[list[int]] = [list(c.encode("utf-8")) for c in freq]
     counts: list[int] = list(freq.values())
 
@@ -432,7 +509,7 @@ def train_bpe(text: str, vocab_size: int, *, pat_str: str = GPT2_SPLIT_PATTERN,
             where.setdefault(p, set()).add(w)
 
     merges: list[tuple[tuple[int, int], int]] = []
-    for new in range(256, vocab_size):
+    for new in range(256, vocab_size - len(specials)):
         if not stats:
             break
         top = max(stats.values())
@@ -464,7 +541,7 @@ def train_bpe(text: str, vocab_size: int, *, pat_str: str = GPT2_SPLIT_PATTERN,
         if verbose:
             tok = BPETokenizer(merges, pat_str)
             print(tok.render_merge(len(merges) - 1), f"(count {top})")
-    return BPETokenizer(merges, pat_str)
+    return BPETokenizer(merges, pat_str, specials)
 
 
 # --------------------------------------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_train_not_written_and_wrong_history():
 # chapter 5 builds what this assignment grades
 
 CHAPTER = Path(__file__).resolve().parent.parent / "book" / "05_gpt2_mini.ipynb"
-CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPTByHand", "count_params", "lr_at", "evaluate", "train")
+CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPT", "count_params", "lr_at", "evaluate", "train")
 
 
 def _chapter_definitions() -> dict:
@@ -142,11 +142,11 @@ def _chapter_definitions() -> dict:
 
 
 def test_chapter_5_model_passes_check_GPT():
-    """A learner who copies chapter 5's GPTByHand (and the Block it uses) passes task 1."""
+    """A learner who copies chapter 5's GPT (and the Block it uses) passes task 1."""
     ns = _chapter_definitions()
-    gt.check_GPT(ns["GPTByHand"])
-    gt.check_GPT(ns["GPTByHand"], seed=1)
-    model = ns["GPTByHand"](vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    gt.check_GPT(ns["GPT"])
+    gt.check_GPT(ns["GPT"], seed=1)
+    model = ns["GPT"](vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32)
     from gptlab.model import GPT, GPTConfig
 
     ref = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=4, n_embd=32, bias=True))
@@ -163,9 +163,9 @@ def test_chapter_5_count_and_schedule_pass_their_checks():
 
 @pytest.mark.slow
 def test_chapter_5_training_loop_passes_check_train():
-    """Chapter 5's train loop, with its GPTByHand, passes task 4 (the graded 300-step run)."""
+    """Chapter 5's train loop, with its GPT, passes task 4 (the graded 300-step run)."""
     ns = _chapter_definitions()
-    result = gt.check_train(ns["train"], ns["GPTByHand"])
+    result = gt.check_train(ns["train"], ns["GPT"])
     assert result["val_loss"] < gt.THRESHOLD
 
 
@@ -184,4 +184,4 @@ def test_delegation_in_the_graded_run_only_is_caught():
         return by_hand(model, data, steps, **kw)
 
     with pytest.raises(DelegationError, match="lr_at"):
-        gt.check_train(train, ns["GPTByHand"])
+        gt.check_train(train, ns["GPT"])

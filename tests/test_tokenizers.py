@@ -203,3 +203,91 @@ def test_bpe_stops_when_nothing_left_to_merge():
     assert tok.merges == [((97, 98), 256), ((32, 256), 257)]
     assert tok.vocab_size == 258
     assert tok.encode("ab ab") == [256, 257]
+
+
+# ---------------------------------------------------------------- BPE special tokens
+
+EOT = "<|endoftext|>"
+
+
+def _documents(text: str, n: int = 40, size: int = 1500) -> list[str]:
+    """n pieces of Tiny Shakespeare, as the documents of a corpus."""
+    return [text[i * size:(i + 1) * size] for i in range(n)]
+
+
+def test_bpe_special_token_is_kept_whole_and_in_no_merge(text):
+    """Documents joined by <|endoftext|>: the separator gets one id of its own, after the merges';
+    nothing is learned from its characters nor across it (GPT-2's and CS336's rule)."""
+    corpus = EOT.join(_documents(text, n=300, size=60))  # a separator every 60 characters
+    plain = train_bpe(corpus, 256 + 120)
+    assert any(b"<|" in t or b"|>" in t or b"endoftext" in t for t in plain.vocab.values())  # without: learned
+    tok = train_bpe(corpus, 256 + 120 + 1, special_tokens=[EOT])
+    assert len(tok.merges) == 120 and tok.vocab_size == 377
+    assert tok.special_tokens == {EOT: 376} and tok.vocab[376] == EOT.encode()
+    assert not any(b"<|" in tok.vocab[i] or b"|>" in tok.vocab[i] or b"endoftext" in tok.vocab[i] for i in range(376))
+    a, b = "First Citizen:\nSpeak.", "\nAll:\nSpeak, speak."
+    ids = tok.encode(a + EOT + b)
+    assert ids == tok.encode(a) + [376] + tok.encode(b)
+    assert ids.count(376) == 1 and tok.decode(ids) == a + EOT + b
+    assert tok.encode(EOT + EOT) == [376, 376] and tok.encode("") == []
+    assert 376 not in tok.encode("<|endoftext|"[:-1] + " <|end|>")  # only the whole string is special
+
+
+def test_bpe_training_on_documents_ignores_the_separator_text(text):
+    """Training with the separator as a special token learns what training on each document apart
+    would: the merges of the joined corpus equal those of the documents separated by a chunk
+    boundary that no merge crosses ('\\x00', which the pattern makes a chunk of its own)."""
+    docs = _documents(text, n=12, size=800)
+    with_special = train_bpe(EOT.join(docs), 256 + 80 + 1, special_tokens=[EOT])
+    never_paired = r"\x00|" + GPT2_SPLIT_PATTERN.replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{N}\x00]")
+    assert never_paired != r"\x00|" + GPT2_SPLIT_PATTERN
+    apart = train_bpe("\x00".join(docs), 256 + 80 + 1, pat_str=never_paired)
+    assert with_special.merges == apart.merges[:80]
+
+
+def test_bpe_overlapping_special_tokens_longest_first():
+    tok = train_bpe("hello world " * 10, 256 + 5, special_tokens=["<|a|>", "<|a|><|a|>"])
+    one, two = tok.special_tokens["<|a|>"], tok.special_tokens["<|a|><|a|>"]
+    assert (one, two) == (259, 260) and tok.vocab_size == 261
+    assert tok.encode("hi<|a|><|a|>") == tok.encode("hi") + [two]
+    assert tok.encode("<|a|><|a|><|a|>") == [two, one]
+    assert tok.encode("<|a|>x<|a|>") == [one] + tok.encode("x") + [one]
+    for s in ("<|a|><|a|><|a|>", "x<|a|>y", "<|a|", "|a|>"):
+        assert tok.decode(tok.encode(s)) == s
+
+
+def test_bpe_special_tokens_match_tiktoken(text, gpt2):
+    """The same merges and special tokens in tiktoken's own Encoding (allowed_special="all", the way
+    GPT-2's <|endoftext|> is encoded): the same ids and the same text back. And GPT-2's tokenizer
+    itself obeys the rule ours follows: text, separator, text = their encodings side by side."""
+    import tiktoken
+
+    tok = train_bpe(EOT.join(_documents(text)), 256 + 150 + 2, special_tokens=[EOT, "<|pad|>"])
+    enc = tiktoken.Encoding(name="taught", pat_str=tok.pat_str, mergeable_ranks=tok.mergeable_ranks(),
+                            special_tokens=tok.special_tokens)
+    held_out = text[-3000:-1500] + EOT + MIXED + EOT + EOT + "<|pad|>" + text[-1500:] + EOT
+    ids = tok.encode(held_out)
+    assert ids == enc.encode(held_out, allowed_special="all")
+    assert tok.decode(ids) == enc.decode(ids) == held_out
+    a, b = " the end.", "A new document"
+    assert gpt2.encode(a + EOT + b, allowed_special="all") == gpt2.encode(a) + [gpt2.eot_token] + gpt2.encode(b)
+    assert tok.encode(a + EOT + b) == tok.encode(a) + [tok.special_tokens[EOT]] + tok.encode(b)
+
+
+def test_bpe_special_tokens_save_load_and_validation(tmp_path):
+    tok = train_bpe("the cat sat on the mat", 256 + 6 + 1, special_tokens=[EOT])
+    tok.save(tmp_path / "bpe.json")
+    again = load_tokenizer(tmp_path / "bpe.json")
+    assert again == tok and again.special_tokens == {EOT: 262}
+    assert again.encode("the mat" + EOT) == tok.encode("the mat" + EOT)
+    assert tok != BPETokenizer(tok.merges, tok.pat_str)  # the special tokens are part of the tokenizer
+    assert "special_tokens" not in BPETokenizer(tok.merges).to_dict()  # older files: unchanged
+    assert repr(tok) == "BPETokenizer(vocab_size=263, merges=6, special_tokens=['<|endoftext|>'])"
+    with pytest.raises(ValueError, match="duplicates"):
+        BPETokenizer([], special_tokens=[EOT, EOT])
+    with pytest.raises(ValueError, match="non-empty"):
+        BPETokenizer([], special_tokens=[""])
+    with pytest.raises(TypeError, match="list of strings"):
+        BPETokenizer([], special_tokens=EOT)
+    with pytest.raises(ValueError, match=r"at least 256 .* \+ 2"):
+        train_bpe("abc", 257, special_tokens=["<a>", "<b>"])
