@@ -84,6 +84,24 @@ def merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * d)
 
 
+def _fused(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, is_causal: bool) -> Tensor:
+    """``F.scaled_dot_product_attention``; q (B, nh, T, hd), k and v (B, nh, S, hd) -> (B, nh, T, hd).
+
+    PyTorch 2.13's fused CPU kernel for 16-bit inputs fails on a CPU with AMX when its AVX-512
+    kernels are switched off (``ATEN_CPU_CAPABILITY=default`` or ``avx2``: "pack_vnni2 is only
+    supported when avx512 is supported"); the same attention then runs on PyTorch's math backend.
+    """
+    try:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    except RuntimeError as e:
+        if "pack_vnni2" not in str(e):
+            raise
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head (or grouped-query) causal self-attention. x (B, T, C) -> (B, T, C).
 
@@ -162,9 +180,7 @@ class CausalSelfAttention(nn.Module):
             if self.record_weights:
                 self.last_weights = w.detach()
         else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal and mask is None
-            )
+            y = _fused(q, k, v, mask, dropout_p, is_causal and mask is None)
         # 5. (B, nh, T, hd) -> (B, T, nh hd) -> (B, T, C)
         y = self.c_proj(merge_heads(y))
         return F.dropout(y, dropout_p) if dropout_p > 0.0 else y
