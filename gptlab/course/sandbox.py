@@ -414,6 +414,12 @@ def command(argv: list[str], *, runtime: Path, view: Path | None, limits: Limits
     for k, v in sandbox_env(cache).items():
         args += ["--setenv", k, v]
     args += _system_binds()
+    # the private tmpfs first: what is bound below stays visible on top of them (a virtual
+    # environment or a cache under /tmp, a runtime folder in /tmp)
+    size = str(limits.tmp_mb << 20)
+    work = workdir_inside(notebook)
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm",
+             "--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", HOME, "--dir", work]
     for root in _python_roots():
         args += ["--ro-bind", root, root]
     if view is not None:
@@ -423,14 +429,10 @@ def command(argv: list[str], *, runtime: Path, view: Path | None, limits: Limits
         for hidden in _CACHE_HIDDEN:  # other assignments' copies of gptlab hold this one's references
             if (cache / hidden).is_dir():
                 args += ["--tmpfs", str(cache / hidden)]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/shm"]
     for dev in sorted(Path("/dev").glob("nvidia*")):  # a GPU, where the machine has one
         args += ["--dev-bind", str(dev), str(dev)]
     if os.path.isdir("/sys/devices/system/cpu"):
         args += ["--ro-bind", "/sys/devices/system/cpu", "/sys/devices/system/cpu"]
-    size = str(limits.tmp_mb << 20)
-    work = workdir_inside(notebook)
-    args += ["--size", size, "--tmpfs", "/tmp", "--size", size, "--tmpfs", HOME, "--dir", work]
     if notebook is not None and notebook.is_file():
         args += ["--ro-bind", str(notebook), f"{work}/{notebook.name}"]
     args += ["--bind", str(runtime), str(runtime), "--chdir", work, "--"]
