@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from processes import command_lines
+
 from gptlab.__main__ import main
 from gptlab.course import Course, grades_table
 from gptlab.course import autograde as ag
@@ -160,19 +162,9 @@ def test_two_runs_on_one_course_at_once_are_refused_cleanly(course):
 
 
 def _our_processes(course: Path) -> list[str]:
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            env = (Path("/proc") / pid / "environ").read_bytes()
-        except OSError:
-            continue
-        if ("grade-worker" in cmd or "kernel_boot.py" in cmd or "gptlab-sandbox" in cmd) and \
-                str(course).encode() in env + cmd.encode():
-            out.append(f"{pid} {cmd[:120]}")
-    return out
+    return [f"{pid} {cmd[:120]}" for pid, cmd, env in command_lines()
+            if ("grade-worker" in cmd or "kernel_boot.py" in cmd or "gptlab-sandbox" in cmd)
+            and str(course).encode() in env + cmd.encode()]
 
 
 @pytest.mark.slow

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import command_lines
 
 from gptlab.course import Course
 from gptlab.course.trusted import TrustedGrader
@@ -556,17 +557,8 @@ def _grade_rows(db: Path) -> list[tuple]:
 
 def _survivors() -> list[str]:
     """Processes left by a grading run: sandboxes, kernels, attack programs."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            cmd = (Path("/proc") / pid / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if MARK in cmd or "kernel_boot.py" in cmd or ("bwrap" in cmd and "gptlab-sandbox" in cmd):
-            out.append(f"{pid}: {cmd[:200]}")
-    return out
+    return [f"{pid}: {cmd[:200]}" for pid, cmd, _ in command_lines()
+            if MARK in cmd or "kernel_boot.py" in cmd or ("bwrap" in cmd and "gptlab-sandbox" in cmd)]
 
 
 @pytest.fixture(scope="module")
