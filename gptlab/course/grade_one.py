@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -267,9 +266,6 @@ def worker() -> int:
             real_stdout.flush()
             continue
         try:
-            stage = job.pop("stage", None)
-            if stage:
-                _stage(**stage)
             grade_one(**job)
             answer = {"id": ident, "ok": True, "error": None}
         except Exception as e:  # noqa: BLE001 - one job's failure is that job's
@@ -277,10 +273,3 @@ def worker() -> int:
         real_stdout.write(json.dumps(answer) + "\n")
         real_stdout.flush()
     return 0
-
-
-def _stage(src: str, dest: str) -> None:
-    """Copy a submission folder to a scratch folder (no symlinks followed, no checkpoints)."""
-    if os.path.exists(dest):
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest, symlinks=True, ignore=shutil.ignore_patterns(".ipynb_checkpoints"))
