@@ -278,3 +278,39 @@ def test_bench_class_reports_a_class_through_grade_one(tmp_path):
     assert fig["scores_by_kind"] == {"correct": [3.0], "partly": [2.0], "blank": [0.0], "hostile": [0.0]}
     assert 0 < fig["projection"]["hours"] <= fig["projection"]["worst_case_hours"]
     assert len(fig["job_times"]) == 4 and fig["slowest_job"]["seconds"] > 0
+
+
+def test_a_late_submission_gets_the_courses_late_penalty_in_the_gradebook_and_the_sheet(course, tmp_path):
+    """nbgrader's late penalty (its LateSubmissionPlugin, from the due date and the submission's
+    time) is applied when a result is merged, and grades.csv takes it off the assignment's total."""
+    from datetime import datetime
+
+    from nbgrader.api import Gradebook
+
+    from gptlab.course import grades_table
+
+    with open(course / "nbgrader_config.py", "a") as f:
+        f.write('\nc.LateSubmissionPlugin.penalty_method = "zero"\n')
+    ag._ensure_assignment(Course(course), "alpha")
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gb:
+        gb.update_or_create_assignment("alpha", duedate=datetime(2026, 3, 1, 12, 0))
+    results = tmp_path / "results"
+    stamps = {"ann": "2026-03-02 15:00:00 UTC", "bob": "2026-03-01 11:00:00 UTC"}  # 27 h late; on time
+    for student, stamp in stamps.items():
+        grade_one(course / "submitted" / student / "alpha" / "alpha.ipynb", "alpha",
+                  course / "exercises" / "alpha" / "alpha.ipynb", student=student, timestamp=stamp,
+                  out=results / student / "alpha.json")
+    assert main(["course", "import-results", str(results), "--course", str(course)]) == 0
+    header, rows = grades_table(Course(course), ["alpha"])
+    got = {r[0]: dict(zip(header, r)) for r in rows}
+    assert got["ann"]["alpha/test_f"] == 2.0 and got["ann"]["alpha/test_g"] == 1.0  # the cells keep their points
+    assert got["ann"]["alpha"] == 0.0 and got["ann"]["total"] == 0.0  # "zero": the whole score
+    assert "late penalty: alpha (-3, 27.0 h after the due date)" in got["ann"]["notes"]
+    assert got["bob"]["alpha"] == 2.0 and not (got["bob"]["notes"] or "").count("late")  # on time: bob's 2 of 3
+    # the penalty follows the course's policy: with none, the late submission keeps its score
+    with open(course / "nbgrader_config.py", "a") as f:
+        f.write('\nc.LateSubmissionPlugin.penalty_method = "none"\n')
+    assert main(["course", "import-results", str(results), "--course", str(course)]) == 0
+    header, rows = grades_table(Course(course), ["alpha"])
+    totals = {r[0]: r[header.index("alpha")] for r in rows}
+    assert (totals["ann"], totals["bob"]) == (3.0, 2.0)

@@ -158,9 +158,11 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
     cell in the CSV) where there is no score: an assignment the student never submitted or that
     was not graded yet, and its test cells (a test cell without a score in a graded submission
     too). A real 0 stays 0. An assignment's total and the overall total add up what was graded
-    (``None`` when nothing was). The last column, ``notes``, names the test cells flagged for the
-    instructor's review (their score is not final until a manual score is given) and the
-    assignments graded without the sandbox (``course autograde --no-sandbox``); ``None`` otherwise.
+    (``None`` when nothing was), less nbgrader's late penalty (the test cells keep their scores).
+    The last column, ``notes``, names the test cells flagged for the instructor's review (their
+    score is not final until a manual score is given), the late penalties (assignment, points
+    taken, hours after the due date), and the assignments graded without the sandbox (``course
+    autograde --no-sandbox``); ``None`` otherwise.
     """
     from nbgrader.api import Gradebook, MissingEntry
 
@@ -188,11 +190,14 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
             graded: list[float] = []
             review: list[str] = []
             unsandboxed: list[str] = []
+            late: list[str] = []
             for name, cells in layout:
                 scores: dict[tuple[str, str], float | None] = {}
+                penalty = 0.0
                 try:
                     sub = gb.find_submission(name, student)
                     for snb in sub.notebooks:
+                        penalty += snb.late_submission_penalty or 0.0
                         for g in snb.grades:
                             # nbgrader's score is 0 when there is none: not graded yet is no score
                             none = g.auto_score is None and g.manual_score is None
@@ -205,12 +210,16 @@ def grades_table(course: Course, assignments: list[str] | None = None) -> tuple[
                     unsandboxed.append(name)
                 values = [scores.get((nb, gid)) for nb, gid, _ in cells]
                 got = [v for v in values if v is not None]
-                row += [sum(got) if got else None] + values
-                graded += got
+                if penalty:
+                    late.append(f"{name} (-{penalty:g}, {sub.total_seconds_late / 3600:.1f} h after the due date)")
+                row += [sum(got) - penalty if got else None] + values
+                graded += got + ([-penalty] if got and penalty else [])
             row.append(sum(graded) if graded else None)
             notes = []
             if review:
                 notes.append("needs review (score not final): " + ", ".join(review))
+            if late:
+                notes.append("late penalty: " + ", ".join(late))
             if unsandboxed:
                 notes.append("graded without the sandbox: " + ", ".join(unsandboxed))
             row.append("; ".join(notes) or None)

@@ -9,7 +9,8 @@ known (in the gradebook or in ``submitted/``; ``add_students`` adds the others),
 in the gradebook, and its assignment version is the gradebook's (the same released notebook:
 :func:`gptlab.course.grade_one.assignment_version`); anything else is named and skipped. Merging
 sets the scores (so merging the same results twice changes nothing), the answer cells' comments,
-the review flags (nbgrader's needs-manual-grade), the notes shown in the feedback, and copies the
+the review flags (nbgrader's needs-manual-grade), the late penalty (nbgrader's, from the
+submission's time, the due date and the course's ``LateSubmissionPlugin``), the notes shown in the feedback, and copies the
 graded notebook (``RESULT.ipynb`` beside ``RESULT.json``) to ``autograded/`` for the feedback.
 A manual score an instructor gave is never touched.
 """
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from ..files import atomic_write_text
@@ -27,7 +27,7 @@ from ._common import Course, CourseError
 from .grade_one import FORMAT
 from .notebooks import assignment_version, norm, quiet_sqlalchemy, released_text
 
-__all__ = ["ImportReport", "import_results", "gradebook_version", "merge_result", "read_result"]
+__all__ = ["ImportReport", "assign_late_penalty", "import_results", "gradebook_version", "merge_result", "read_result"]
 
 
 @dataclass
@@ -76,11 +76,14 @@ def merge_result(gb, course: Course, result: dict, notebook_file: Path | None = 
     gb.update_or_create_student(student)
     kwargs = {}
     if result.get("timestamp"):
-        try:
-            kwargs["timestamp"] = datetime.fromisoformat(result["timestamp"])
-        except ValueError:
+        from nbgrader.utils import parse_utc
+
+        try:  # naive UTC, as nbgrader stores it and compares it with the due date
+            kwargs["timestamp"] = parse_utc(result["timestamp"])
+        except (ValueError, OverflowError):
             pass
     sub = gb.update_or_create_submission(assignment, student, **kwargs)
+    late_notebook = None
     for snb in sub.notebooks:
         if snb.name != nb_name:
             continue
@@ -92,7 +95,11 @@ def merge_result(gb, course: Course, result: dict, notebook_file: Path | None = 
                 cell and cell.get("review"))
         for comment in snb.comments:
             comment.auto_comment = result.get("comments", {}).get(comment.name)
+        late_notebook = snb
     gb.db.commit()
+    if late_notebook is not None:
+        assign_late_penalty(course, sub, late_notebook)
+        gb.db.commit()
     notes_path = course.notes_path(assignment, student)
     old = course.read_notes(assignment, student)
     mine = [n for n in result.get("notes", []) if n.get("notebook") in (nb_name, None)]
@@ -103,7 +110,29 @@ def merge_result(gb, course: Course, result: dict, notebook_file: Path | None = 
         if notebook_file.resolve() != dest.resolve():
             dest.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(dest, notebook_file.read_text())
-    return float(sum(g.score or 0.0 for snb in sub.notebooks for g in snb.grades))
+    return float(sum(g.score or 0.0 for snb in sub.notebooks for g in snb.grades)
+                 - sum(snb.late_submission_penalty or 0.0 for snb in sub.notebooks))
+
+
+def assign_late_penalty(course: Course, submission, notebook) -> float | None:
+    """Set ``notebook``'s late penalty as ``nbgrader autograde`` does (its ``AssignLatePenalties``
+    with the course's plugin: ``c.LateSubmissionPlugin.penalty_method = "zero"`` in
+    ``nbgrader_config.py``, or a plugin of the instructor's own), from the submission's timestamp and
+    the assignment's due date (``nbgrader db assignment add NAME --duedate=...``). None: no penalty
+    (on time, no due date, or the plugin gives none); at most the notebook's score."""
+    notebook.late_submission_penalty = None
+    seconds_late = submission.total_seconds_late
+    if not seconds_late or seconds_late <= 0:
+        return None
+    from nbgrader.preprocessors import AssignLatePenalties
+
+    pre = AssignLatePenalties(config=course.config())
+    pre.init_plugin()
+    penalty = pre.plugin_inst.late_submission_penalty(submission.student.id, notebook.score, seconds_late)
+    if penalty is not None:
+        penalty = float(min(max(penalty, 0.0), notebook.score))
+        notebook.late_submission_penalty = penalty
+    return penalty
 
 
 def _known_students(gb, course: Course) -> set[str]:
