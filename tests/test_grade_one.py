@@ -314,3 +314,15 @@ def test_a_late_submission_gets_the_courses_late_penalty_in_the_gradebook_and_th
     header, rows = grades_table(Course(course), ["alpha"])
     totals = {r[0]: r[header.index("alpha")] for r in rows}
     assert (totals["ann"], totals["bob"]) == (3.0, 2.0)
+
+
+def test_the_gradescope_requirements_pin_public_versions():
+    """requirements.txt pins what is installed here, without local labels: "torch==2.13.0" for an
+    installed "2.13.0+cpu" (no index but PyTorch's own holds "+cpu"; "==2.13.0" still matches it)."""
+    import torch
+
+    from gptlab.course.gradescope import pinned_requirements
+
+    pins = pinned_requirements()
+    assert pins and all("+" not in p for p in pins), pins
+    assert f"torch=={torch.__version__.split('+')[0]}" in pins

@@ -51,6 +51,9 @@ SETUP_SH = """#!/usr/bin/env bash
 # It makes /autograder/venv and installs this course's gptlab (wheels/) with every requirement pinned
 # (requirements.txt). GPTLAB_AUTOGRADER_ROOT moves /autograder (tests); GPTLAB_SKIP_APT skips apt-get.
 set -euo pipefail
+# PyTorch from the default index is its CUDA build (several GB), and Gradescope's machines have no
+# GPU: set TORCH_INDEX to PyTorch's CPU wheel index (see the instructors' guide) for a small image.
+TORCH_INDEX="${GPTLAB_TORCH_INDEX:-}"
 SRC="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="${GPTLAB_AUTOGRADER_ROOT:-/autograder}"
 if [ -z "${GPTLAB_SKIP_APT:-}" ] && command -v apt-get >/dev/null 2>&1; then
@@ -60,6 +63,10 @@ fi
 PYTHON="${GPTLAB_PYTHON:-python3}"
 "$PYTHON" -m venv "$ROOT/venv"
 WHEEL="$(ls "$SRC"/wheels/gptlab-*.whl)"
+if [ -n "$TORCH_INDEX" ]; then
+  "$ROOT/venv/bin/python" -m pip install --quiet --disable-pip-version-check \\
+    --index-url "$TORCH_INDEX" "$(grep -i '^torch==' "$SRC/requirements.txt")"
+fi
 "$ROOT/venv/bin/python" -m pip install --quiet --disable-pip-version-check \\
   -c "$SRC/requirements.txt" -r "$SRC/requirements.txt" "$WHEEL[grading]"
 "$ROOT/venv/bin/python" -c "import gptlab; print('gptlab', gptlab.__version__, 'installed for the autograder')"
@@ -92,7 +99,8 @@ def _requires(dist: str, extras: set[str]) -> list[str]:
 
 
 def pinned_requirements(extras: tuple[str, ...] = ("grading",)) -> list[str]:
-    """``name==version`` of everything gptlab (with ``extras``) needs, as installed here, sorted."""
+    """``name==version`` of everything gptlab (with ``extras``) needs, as installed here, sorted
+    (public versions: ``torch==2.13.0`` for an installed ``2.13.0+cpu``)."""
     seen: dict[str, str] = {}
     todo = [(n, set()) for n in _requires("gptlab", set(extras))]
     while todo:
@@ -101,7 +109,10 @@ def pinned_requirements(extras: tuple[str, ...] = ("grading",)) -> list[str]:
         if key in seen or key == "gptlab":
             continue
         try:
-            seen[key] = f"{metadata.distribution(name).metadata['Name']}=={metadata.version(name)}"
+            # the public version: a local label (torch's "+cpu") is in no index but the one it came
+            # from, and "==2.13.0" matches "2.13.0+cpu" where that build is what the index holds
+            version = metadata.version(name).split("+")[0]
+            seen[key] = f"{metadata.distribution(name).metadata['Name']}=={version}"
         except metadata.PackageNotFoundError:
             continue
         todo += [(n, set()) for n in _requires(name, ext)]
