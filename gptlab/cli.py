@@ -654,6 +654,16 @@ def _check_db(db: str) -> None:
         path = Path(url.database).expanduser()
     if path.is_dir():
         raise CourseError(f"--db {db}: {path} is a folder; give the gradebook file in it, e.g. {path / 'gradebook.db'}")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except FileNotFoundError:
+        head = b""
+    except OSError as e:
+        raise CourseError(f"--db {db}: cannot read {path} ({e.strerror or e})") from None
+    if head and head != b"SQLite format 3\x00":  # an empty file is a new database to SQLite
+        raise CourseError(f"--db {db}: {path} is not an SQLite database (an nbgrader gradebook is one); "
+                          f"give the gradebook file, or a new file name")
     folder = path.parent.resolve()
     if not folder.is_dir():
         raise CourseError(f"--db {db}: the folder {folder} does not exist; create it, or give {example}")
@@ -1163,12 +1173,16 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 def _disk_error(e: OSError) -> str | None:
     """One line naming the cause and the fix of a file-system error no command can do better
-    about (a full disk, a read-only file system, a permission denied); None for any other error."""
+    about (a full disk, a read-only file system, a file over the size limit, a permission denied);
+    None for any other error."""
     on = f" ({e.filename})" if e.filename else ""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left on the device{on}: free some disk space, or write to another disk"
     if e.errno == errno.EROFS:
         return f"read-only file system{on}: write to another folder"
+    if e.errno == errno.EFBIG:
+        return (f"file too large{on} for the file system or for this shell's file-size limit (ulimit -f): "
+                f"raise the limit, or write to another disk")
     if e.errno in (errno.EACCES, errno.EPERM):
         return f"permission denied{on}: use a file or folder you may write to, or change its permissions"
     return None

@@ -264,6 +264,20 @@ def test_course_grades_db_that_cannot_be_a_gradebook(course_dir, tmp_path, capsy
     assert not (tmp_path / "g.csv").exists()
 
 
+@pytest.mark.parametrize("url", [False, True])
+def test_course_grades_db_that_is_not_a_database(course_dir, tmp_path, capsys, url):
+    """``--db`` naming a file that is no SQLite database (a typo'd CSV, notes) ended in
+    SQLAlchemy's "file is not a database" traceback; the file is left as it was."""
+    f = tmp_path / "grades.csv"
+    f.write_text("student,total\nann,3\n")
+    db = f"sqlite:///{f}" if url else str(f)
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--db", db,
+                       "--output", str(tmp_path / "g.csv")], capsys)
+    assert rc == 2
+    assert f"{f} is not an SQLite database" in _one_line_error(err)
+    assert f.read_text() == "student,total\nann,3\n" and not (tmp_path / "g.csv").exists()
+
+
 @pytest.mark.parametrize("timeout", ["0", "-5"])
 def test_course_autograde_timeout_must_be_positive(course_dir, capsys, timeout):
     """``--timeout 0`` (or below) silently removed the per-cell time limit."""

@@ -95,6 +95,27 @@ def test_a_full_disk_in_any_command_is_one_line(monkeypatch, capsys):
     assert "no space left on the device (/runs/x/ckpt/model.safetensors): free some disk space" in line
 
 
+def test_a_file_over_the_size_limit_in_any_command_is_one_line(monkeypatch, capsys, tmp_path):
+    """EFBIG (a file system's largest file, or ``ulimit -f``: Python ignores SIGXFSZ, so the write
+    fails with it) ended in a traceback; a real write under a 1 kB limit, in a child process."""
+    import resource
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; from gptlab.cli import main; import gptlab.cli as c\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.RLIM_INFINITY))\n"
+            "def big(args):\n"
+            f"    with open({str(tmp_path / 'big.bin')!r}, 'wb') as f:\n"
+            "        f.write(b'x' * 65536)\n"
+            "c.cmd_fetch = big\n"
+            "sys.exit(main(['fetch']))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    line = _one_line(done.stderr)
+    assert "file too large" in line and "ulimit -f" in line, line
+    assert resource.getrlimit(resource.RLIMIT_FSIZE)  # (this process's own limit untouched)
+
+
 # --------------------------------------------------------------------------- course
 
 
