@@ -245,16 +245,18 @@ RECIPES: dict[str, TrainConfig] = {
     # Tuned for a 2-core CPU: reach val loss <= 1.886 (what nanoGPT's own train.py reaches with its
     # README's CPU command, 4 layers x 128, block 64, batch 12, 2000 steps at lr 1e-3) in as little time
     # as possible. Changes: Llama-style blocks (rotary positions, RMSNorm, SwiGLU), a small model (2
-    # blocks of 96), context 128, batch 16, a 5x higher peak learning rate after a short warmup, 520
-    # steps: fewer FLOPs for the same loss (0.22x nanoGPT's CPU run's). Evaluations: at steps 0, 130, 260 and 390 on the first 16,384 validation
-    # tokens (one forward pass of 128 windows, ~0.1 s), and at step 520 on the whole validation split
-    # (111,488 tokens, ~1 s); the target is checked on that one only. Float32 on a CPU (the trainer's
-    # "auto"): bfloat16 autocast was slower per step even on a CPU with AMX (the casts cost more than
-    # the products save at these sizes), and torch.compile's seconds of compiling are not won back in
-    # a run this short (benchmarks/results/README.md). Measured (whole val split): 1.863-1.865 with
-    # seed 1337 on an Intel Xeon; the same blocks in 470 or 480 steps end at 1.885-1.886, no margin.
+    # blocks of 96, 3 heads of 32: a step ~10% faster than 4 heads of 24 on an Intel Xeon, for the same
+    # FLOPs), context 128, batch 16, a 5x higher peak learning rate after a short warmup, 520 steps:
+    # fewer FLOPs for the same loss (0.22x nanoGPT's CPU run's). Evaluations: at steps 0, 130, 260 and
+    # 390 on the first 16,384 validation tokens (one forward pass of 128 windows, ~0.1 s), and at step
+    # 520 on the whole validation split (111,488 tokens, ~1 s); the target is checked on that one only.
+    # Float32 on a CPU (the trainer's "auto"): bfloat16 autocast was slower per step even on a CPU with
+    # AMX (the casts cost more than the products save at these sizes), and torch.compile's seconds of
+    # compiling are not won back in a run this short (benchmarks/results/README.md). Measured (whole
+    # val split, Intel Xeon): 1.861, 1.873 and 1.865 with seeds 1337, 1 and 2; the same blocks in 470
+    # or 480 steps end at 1.885-1.886, no margin.
     "shakespeare-char-cpu": TrainConfig(
-        model=GPTConfig(n_layer=2, n_head=4, n_embd=96, block_size=128, dropout=0.0, bias=False,
+        model=GPTConfig(n_layer=2, n_head=3, n_embd=96, block_size=128, dropout=0.0, bias=False,
                         pos_emb="rope", norm="rmsnorm", mlp="swiglu"),
         batch_size=16, grad_accum=1, max_steps=520, lr=5e-3, min_lr=5e-4, warmup_steps=30,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=130, eval_tokens=16384,
