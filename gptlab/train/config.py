@@ -253,7 +253,8 @@ RECIPES: dict[str, TrainConfig] = {
     # Float32 on a CPU (the trainer's "auto"): bfloat16 autocast was slower per step even on a CPU with
     # AMX (the casts cost more than the products save at these sizes), and torch.compile's seconds of
     # compiling are not won back in a run this short (benchmarks/results/README.md). Measured (whole
-    # val split, Intel Xeon): 1.861, 1.873 and 1.865 with seeds 1337, 1 and 2; the same blocks in 470
+    # val split, Intel Xeon): 1.861-1.871, 1.873 and 1.865 with seeds 1337, 1 and 2 (not reproducible to
+    # the last bit from one process to the next on a CPU: threaded reductions); the same blocks in 470
     # or 480 steps end at 1.885-1.886, no margin.
     "shakespeare-char-cpu": TrainConfig(
         model=GPTConfig(n_layer=2, n_head=3, n_embd=96, block_size=128, dropout=0.0, bias=False,
