@@ -15,10 +15,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RUNS = [  # (file, label)
-    ("nanogpt_cpu.json", "nanoGPT's CPU command\n(its own train.py)"),
-    ("train_shakespeare-char-cpu.json", "gptlab shakespeare-char-cpu\n(the chapter's recipe)"),
-    ("train_shakespeare-char-cpu-fast.json", "gptlab shakespeare-char-cpu-fast\n(2 blocks, 520 steps, one evaluation)"),
+RUNS = [  # (file, label, pair): two back-to-back pairs, each recipe run compared with its own pair's nanoGPT run
+    ("nanogpt_cpu.json", "nanoGPT's CPU command, pair 1\n(its own train.py)", 1),
+    ("train_shakespeare-char-cpu.json", "gptlab shakespeare-char-cpu, pair 1\n(the README's and chapter 5b's recipe)", 1),
+    ("train_shakespeare-char-cpu_pair2.json", "gptlab shakespeare-char-cpu, pair 2", 2),
+    ("nanogpt_cpu_pair2.json", "nanoGPT's CPU command, pair 2", 2),
 ]
 
 
@@ -26,21 +27,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results")
     args = ap.parse_args(argv)
-    runs = [(json.loads((args.results / f).read_text()), label) for f, label in RUNS if (args.results / f).exists()]
-    if not runs:
+    found = [(json.loads((args.results / f).read_text()), label, pair) for f, label, pair in RUNS
+             if (args.results / f).exists()]
+    if not found:
         print(f"no results in {args.results}")
         return 1
-    base = next((d["time_to_target_s"] for d, _ in runs if d["benchmark"] == "nanogpt_cpu"), None)
+    bases = {pair: d["time_to_target_s"] for d, _, pair in found if d["benchmark"] == "nanogpt_cpu"}
+    runs = [(d, label) for d, label, _ in found]
+    base = bases.get(1)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [1.3, 1]})
     labels = [label for _, label in runs]
     times = [d["time_to_target_s"] or 0.0 for d, _ in runs]
-    bars = ax.barh(labels, times, color=["grey"] + ["tab:blue"] * (len(runs) - 1))
-    for bar, t in zip(bars, times):
-        ratio = f"  ({base / t:.2f}x nanoGPT)" if base and t and t != base else ""
+    colors = ["grey" if d["benchmark"] == "nanogpt_cpu" else "tab:blue" for d, _ in runs]
+    bars = ax.barh(labels, times, color=colors)
+    for bar, t, (d, _, pair) in zip(bars, times, found):
+        own = bases.get(pair)
+        ratio = f"  ({own / t:.2f}x its pair's nanoGPT)" if own and t and d["benchmark"] != "nanogpt_cpu" else ""
         ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {t:.1f} s{ratio}", va="center")
     if base:
         ax.axvline(base / 4, color="tab:red", ls="--", lw=1)
-        ax.text(base / 4, len(runs) - 0.55, " a quarter of nanoGPT's time (the target)", color="tab:red", fontsize=8)
+        ax.text(base / 4, len(runs) - 0.55, " a quarter of pair 1's nanoGPT time (the target)", color="tab:red", fontsize=8)
     ax.invert_yaxis()
     ax.set_xlim(0, max(times) * 1.45)
     ax.set_xlabel(f"seconds to validation loss <= {runs[0][0].get('target_loss', 1.886)}")

@@ -112,33 +112,49 @@ def test_train_not_written_and_wrong_history():
 
 
 # ---------------------------------------------------------------------------------------------
-# chapter 5 builds what this assignment grades
+# chapters 5 and 5b build what this assignment grades
 
-CHAPTER = Path(__file__).resolve().parent.parent / "book" / "05_gpt2_mini.ipynb"
+BOOK = Path(__file__).resolve().parent.parent / "book"
+CHAPTERS = (BOOK / "05_gpt2_mini.ipynb", BOOK / "05b_training.ipynb")  # the model; the schedule and the loop
 CHAPTER_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPT", "count_params", "lr_at", "evaluate", "train")
+MODEL_DEFS = ("CausalSelfAttention", "MLP", "Block", "GPT")  # written in 5, repeated in 5b
+
+
+def _top_level(chapter: Path) -> list[ast.stmt]:
+    out = []
+    for cell in json.loads(chapter.read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] == "code" and not src.lstrip().startswith(("%", "!")):
+            out.extend(ast.parse(src).body)
+    return out
 
 
 def _chapter_definitions() -> dict:
-    """The chapter's own definitions (CHAPTER_DEFS), executed from the notebook's code cells:
-    every cell's imports, then the classes and functions named, each exactly as the chapter writes
-    it (the cells' other statements, which need the chapter's data, are left out)."""
-    cells = [c for c in json.loads(CHAPTER.read_text())["cells"] if c["cell_type"] == "code"]
+    """The chapters' own definitions (CHAPTER_DEFS), executed from the notebooks' code cells: every
+    cell's imports, then the classes and functions named, each exactly as the chapters write it (the
+    last definition, 5b's where both write one; the cells' other statements, which need the chapter's
+    data, are left out)."""
     imports, defs = [], {}
-    for cell in cells:
-        src = "".join(cell["source"])
-        if src.lstrip().startswith(("%", "!")):
-            continue
-        for node in ast.parse(src).body:
+    for chapter in CHAPTERS:
+        for node in _top_level(chapter):
             if isinstance(node, ast.Import | ast.ImportFrom):
                 imports.append(node)
             elif isinstance(node, ast.ClassDef | ast.FunctionDef) and node.name in CHAPTER_DEFS:
                 defs[node.name] = node
     missing = [n for n in CHAPTER_DEFS if n not in defs]
-    assert not missing, f"chapter 5 no longer defines {missing}"
+    assert not missing, f"chapters 5 and 5b no longer define {missing}"
     namespace: dict = {}
     module = ast.Module(body=imports + [defs[n] for n in CHAPTER_DEFS], type_ignores=[])
-    exec(compile(module, str(CHAPTER), "exec"), namespace)  # noqa: S102 - the repository's own chapter
+    exec(compile(module, str(CHAPTERS[-1]), "exec"), namespace)  # noqa: S102 - the repository's own chapters
     return namespace
+
+
+def test_chapter_5b_repeats_chapter_5s_model_unchanged():
+    """5b repeats 5's model classes so that it runs on its own: the two copies must not drift."""
+    copies = [{n.name: ast.dump(n) for n in _top_level(ch) if isinstance(n, ast.ClassDef) and n.name in MODEL_DEFS}
+              for ch in CHAPTERS]
+    assert set(copies[0]) == set(copies[1]) == set(MODEL_DEFS)
+    assert copies[0] == copies[1], "chapter 5b's copy of the model differs from chapter 5's"
 
 
 def test_chapter_5_model_passes_check_GPT():

@@ -1,4 +1,4 @@
-"""Checks of the ``gpt_training`` assignment (chapter 5, GPT-2 Mini and its training).
+"""Checks of the ``gpt_training`` assignment (chapters 5 and 5b: GPT-2 Mini and its parameters, Training GPT-2 Mini).
 
 Where this sits: beside the pipeline (text -> tokens -> batches -> *model* -> logits -> *loss* ->
 gradients -> update); each task is one piece of a trained GPT, compared with gptlab's own:
