@@ -11,12 +11,18 @@ built ``_build/html``: nothing is executed a second time.
 on different workers: the build lives in the folder the workers share (the parent of their
 temporary folders) and a file lock makes the second worker wait for the first one's build instead
 of building again.
+
+The build also times every cell (for the 60-second rule of tests/test_book.py): the kernels start
+with an IPython start-up file (``CELL_TIMES_STARTUP``, in an ``IPYTHONDIR`` of the build's own) that
+appends each cell's wall-clock and CPU seconds (all threads) and the sha256 of its source to ``cell-times.jsonl``.
+jupyter-cache, which runs the chapters for jupyter-book, records no timing of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +40,56 @@ BUILD_TIMEOUT_S = 3600
 # page would load the widget manager from a CDN. `make book` sets the same (its BOOK_ENV; checked
 # by tests/test_book.py).
 BOOK_ENV = {"GPTLAB_PROGRESS": "text", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+CELL_TIMES_ENV = "GPTLAB_CELL_TIMES"  # where the kernels append their cells' times (a .jsonl file)
+CELL_TIMES_STARTUP = """\
+# Written by tests/_book_build.py: time every cell this kernel runs, for tests/test_book.py.
+import hashlib as _h, json as _j, os as _o, time as _t
+
+def _gptlab_cell_times():
+    path, started = _o.environ.get("GPTLAB_CELL_TIMES"), {}
+    if not path:
+        return
+
+    def pre(info):
+        started["t"], started["cpu"] = _t.perf_counter(), _t.process_time()
+
+    def post(result):
+        if "t" not in started:
+            return
+        seconds, cpu = _t.perf_counter() - started.pop("t"), _t.process_time() - started.pop("cpu")
+        source = result.info.raw_cell or ""
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(_j.dumps({"sha256": _h.sha256(source.encode()).hexdigest(), "seconds": seconds,
+                              "cpu_seconds": cpu, "pid": _o.getpid(), "head": source[:80]}) + "\\n")
+
+    ip = get_ipython()
+    ip.events.register("pre_run_cell", pre)
+    ip.events.register("post_run_cell", post)
+
+_gptlab_cell_times()
+del _gptlab_cell_times
+"""
+
+
+def source_sha256(source: str | list[str]) -> str:
+    """The sha256 a kernel under CELL_TIMES_STARTUP records for a cell of this source."""
+    text = "".join(source) if isinstance(source, list) else source
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def timing_env(folder: Path) -> dict[str, str]:
+    """The variables that make a kernel record its cells' times under ``folder`` (created here)."""
+    startup = folder / "ipython" / "profile_default" / "startup"
+    startup.mkdir(parents=True, exist_ok=True)
+    (startup / "00-gptlab-cell-times.py").write_text(CELL_TIMES_STARTUP)
+    return {"IPYTHONDIR": str(folder / "ipython"), CELL_TIMES_ENV: str(folder / "cell-times.jsonl")}
+
+
+def read_cell_times(path: Path) -> list[dict]:
+    """The records a kernel wrote (none when the file is missing)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +109,11 @@ class BookBuild:
     def executed(self) -> Path:
         """Where the build wrote the executed notebooks (same paths as under the repository)."""
         return self.root / "_build" / "jupyter_execute"
+
+    @property
+    def cell_times(self) -> list[dict]:
+        """Each executed cell's ``{"sha256", "seconds", "cpu_seconds", "pid", "head"}``, in the order they ran."""
+        return read_cell_times(self.root / "timing" / "cell-times.jsonl")
 
     def check(self) -> None:
         """Fail the calling test, with the build's log, when the build failed."""
@@ -83,6 +144,7 @@ def build_book_once(tmp_path_factory: pytest.TempPathFactory) -> BookBuild:
         env.update(BOOK_ENV)
         env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
         shutil.rmtree(out, ignore_errors=True)
+        env.update(timing_env(out / "timing"))
         start = time.perf_counter()
         try:
             r = subprocess.run(

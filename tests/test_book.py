@@ -17,6 +17,12 @@
 * nbval-style, from that one execution: no cell of a book notebook raises, and every cell's output
   equals the output committed in the notebook, except cells tagged `nbval-ignore-output` (the
   tag `pytest --nbval` honours too) whose output depends on the machine.
+* Time: no cell of the build takes more than `CELL_LIMIT_S` (60 s; the build times every cell, see
+  tests/_book_build.py), so that a learner's laptop builds the book; the one exception is a cell
+  tagged `long-training` (chapter 5's training, which shows a progress bar and says how long it
+  takes). A cell counts as over the limit only when both its wall-clock time and its CPU time are:
+  on a machine whose cores other programs take, a cell waits (wall-clock time) without computing,
+  and that is no fault of the chapter.
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from _book_build import BOOK_ENV, REPO, BookBuild, build_book_once
+from _book_build import (BOOK_ENV, REPO, BookBuild, build_book_once, read_cell_times, source_sha256,
+                         timing_env)
 from _nbcompare import comparable, ignored
 from _offline import WIDGET_STATE, WIDGET_VIEW, foreign_resources, widget_problems
 from gptlab.notebook_setup import has_setup_cell, render_setup_source
@@ -39,6 +46,8 @@ EXERCISE_NOTEBOOKS = sorted(p for folder in ("solutions", "exercises") for p in 
                             if ".ipynb_checkpoints" not in p.parts)
 CONFIG = yaml.safe_load((REPO / "_config.yml").read_text())
 REPO_URL, REPO_BRANCH = CONFIG["repository"]["url"], CONFIG["repository"].get("branch", "main")
+CELL_LIMIT_S = 60  # the most one cell of the book may take (on 2 cores, with the machine's best kernels)
+LONG_TRAINING_TAG = "long-training"  # the cell tag that exempts a cell (chapter 5's training) from it
 REFRESH_OUTPUTS = (
     " ".join(f"{k}={v}" for k, v in BOOK_ENV.items())
     + " jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.record_timing=False {nb}"
@@ -336,3 +345,76 @@ def test_pages_workflow_builds_with_make_book_and_deploys_the_html():
         for step in job["steps"]:
             if "uses" in step:
                 assert re.fullmatch(r"actions/[a-z-]+@v\d+", step["uses"]), f"only official actions, pinned to a major version: {step['uses']}"
+
+
+# ---------------------------------------------------------------------------------------------
+# time: no cell over a minute
+
+
+def cells_over_the_limit(times: list[dict], notebooks: dict[str, dict], limit: float = CELL_LIMIT_S) -> list[str]:
+    """The cells of ``times`` (records of tests/_book_build.py's kernels) over ``limit`` seconds, named by
+    notebook and code-cell index (``notebooks``: name -> notebook JSON). A cell is over when both its
+    wall-clock and its CPU seconds are; a cell tagged LONG_TRAINING_TAG is exempt."""
+    where: dict[str, list[tuple[str, int, list[str]]]] = {}
+    for name, nb in notebooks.items():
+        code = [c for c in nb["cells"] if c["cell_type"] == "code"]
+        for i, cell in enumerate(code):
+            where.setdefault(source_sha256(cell["source"]), []).append((name, i, cell.get("metadata", {}).get("tags", [])))
+    over = []
+    for t in times:
+        if min(t["seconds"], t["cpu_seconds"]) <= limit:
+            continue
+        places = where.get(t["sha256"], [])
+        if places and all(LONG_TRAINING_TAG in tags for _, _, tags in places):
+            continue
+        named = "; ".join(f"{name}, code cell {i}" for name, i, _ in places) or f"a cell beginning {t['head']!r}"
+        over.append(f"{named}: {t['seconds']:.0f} s (CPU time {t['cpu_seconds']:.0f} s)")
+    return over
+
+
+def _nb(*cells: tuple[str, list[str]]) -> dict:
+    return {"cells": [{"cell_type": "code", "source": src, "metadata": {"tags": tags}} for src, tags in cells]}
+
+
+def test_cells_over_the_limit_are_named_and_the_tag_exempts():
+    nbs = {"book/a.ipynb": _nb(("fast()", []), ("train()", [LONG_TRAINING_TAG])),
+           "book/b.ipynb": _nb(("slow()", []))}
+
+    def rec(src, seconds, cpu):
+        return {"sha256": source_sha256(src), "seconds": seconds, "cpu_seconds": cpu, "head": src}
+
+    assert cells_over_the_limit([rec("fast()", 59, 100), rec("train()", 900, 1800)], nbs) == []
+    assert cells_over_the_limit([rec("slow()", 61, 120)], nbs) == ["book/b.ipynb, code cell 0: 61 s (CPU time 120 s)"]
+    assert cells_over_the_limit([rec("slow()", 300, 20)], nbs) == []  # waiting for a core: no computing
+    assert cells_over_the_limit([rec("slow()", 61, 61)], nbs, limit=61) == []
+    [unknown] = cells_over_the_limit([rec("other()", 70, 70)], nbs)
+    assert "other()" in unknown
+
+
+def test_a_kernel_under_the_build_environment_times_its_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The IPython start-up file of tests/_book_build.py records each cell, with its sha256, in a
+    kernel started as the build starts them (nbclient, the environment inherited)."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    for name, value in timing_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    sources = ["import time\ntime.sleep(0.5)", "x = sum(range(10))"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    times = read_cell_times(tmp_path / "cell-times.jsonl")
+    assert [t["sha256"] for t in times] == [source_sha256(s) for s in sources]
+    assert times[0]["seconds"] >= 0.5 > times[0]["cpu_seconds"]
+    assert len({t["pid"] for t in times}) == 1
+
+
+@pytest.mark.slow
+def test_no_cell_takes_more_than_a_minute(book: BookBuild):
+    book.check()
+    times = book.cell_times
+    n_code = sum(c["cell_type"] == "code" for p in BOOK_NOTEBOOKS for c in json.loads(p.read_text())["cells"])
+    assert len(times) >= n_code, f"the build timed {len(times)} cells, the book has {n_code} code cells"
+    notebooks = {_rel(p): json.loads(p.read_text()) for p in BOOK_NOTEBOOKS}
+    over = cells_over_the_limit(times, notebooks)
+    assert not over, (
+        f"cells of the book take more than {CELL_LIMIT_S} s (a learner's 2-core laptop must build the book; "
+        f"only a cell tagged {LONG_TRAINING_TAG!r}, chapter 5's training, may):\n  " + "\n  ".join(over))
