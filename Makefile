@@ -40,7 +40,7 @@ help:
 	@echo "make test-fast  the same without the tests marked slow"
 	@echo "make test-cpu-paths  the book's outputs and the grading checks under every MKL_CBWR / ATEN_CPU_CAPABILITY"
 	@echo "make exercises  regenerate exercises/ from solutions/ (python -m gptlab course release)"
-	@echo "make clean      remove the built book and the set-up stamp"
+	@echo "make clean      remove the built book and the set-up stamps"
 
 setup: $(STAMP) $(NATIVE) chromium
 

@@ -22,8 +22,13 @@ How it is used.
   batch-1 decode through it, wherever the model is one it reproduces exactly (:func:`why_not`: a
   :class:`gptlab.GPT` of GPT-2's architecture, float32 on the CPU, in eval mode, with no hooks).
   Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, RoPE,
-  RMSNorm, grouped-query attention, a forward hook) runs the Python step, :meth:`gptlab.GPT.decode`.
-  Nothing is ever built behind the learner's back: without a build, everything runs in Python.
+  RMSNorm, grouped-query attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
+* Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
+  Python: the same operations on the same tensors, without the model's modules between them (the
+  same logits again). ``make setup`` builds the C++ step where a compiler exists
+  (``python -m gptlab build-native --optional``); elsewhere a decode that runs the Python twin says
+  once per process, in one line, how to build it (:func:`hint`). Nothing is ever built behind the
+  learner's back.
 
 :func:`last_use` says whether the last decode of this process ran it, and if not, why not.
 """
