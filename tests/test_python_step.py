@@ -20,6 +20,10 @@ from tiny_models import tiny_gpt
 
 from conftest import REPO_ROOT
 
+# Marked like tests/test_native.py so that conftest leaves the C++ step on: each test that decodes
+# points GPTLAB_CACHE at an empty folder, where nothing is built.
+pytestmark = pytest.mark.native
+
 
 def _gpt2(seed: int = 0, **kw):
     cfg = dict(vocab_size=53, block_size=64, n_layer=3, n_head=3, n_embd=48)
