@@ -8,7 +8,6 @@
 // weights, the packed copies and the cache are the ones the Python step uses (gptlab/fast/native.py
 // hands them over once per decode), so the logits are the same numbers.
 
-#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -81,18 +80,13 @@ class Decoder {
   // -> next-token logits (1, V); writes the token's keys and values at slot pos.
   at::Tensor step(const at::Tensor& idx, int64_t pos) const {
     const int64_t C = n_head_ * head_dim_;
-    const int threads = at::get_num_threads();
     at::Tensor x = at::embedding(wte_, idx).view({1, C}) + wpe_.narrow(0, pos, 1);
     for (const Layer& L : layers_) {
       at::Tensor h = at::layer_norm(x, {C}, L.ln1_w, L.ln1_b, eps_);
       auto qkv = L.attn(h).view({1, 3, n_head_, 1, head_dim_}).unbind(1);  // q, k, v (1, nh, 1, hd)
       L.k.narrow(2, pos, 1).copy_(qkv[1]);
       L.v.narrow(2, pos, 1).copy_(qkv[2]);
-      // one query's attention on one thread (the same bits: each head is one thread's work either
-      // way; starting and joining threads costs more than the work), as gptlab/fast/native.py does
-      if (threads > 1) at::set_num_threads(1);
       at::Tensor y = at::scaled_dot_product_attention(qkv[0], L.k.narrow(2, 0, pos + 1), L.v.narrow(2, 0, pos + 1));
-      if (threads > 1) at::set_num_threads(threads);
       x = x + L.attn_proj(y.reshape({1, C}));
       h = at::layer_norm(x, {C}, L.ln2_w, L.ln2_b, eps_);
       x = x + L.mlp_proj(at::gelu(L.fc(h), "tanh"));

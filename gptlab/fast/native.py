@@ -251,34 +251,18 @@ class PythonDecoder:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
         logits (1, V); writes its keys and values at slot ``pos``."""
         C, shape, eps, layer_norm, end = self.C, self.shape, self.eps, torch.layer_norm, pos + 1
-        threads = torch.get_num_threads()
         x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)
         for ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v in self.layers:
             q, k_new, v_new = attn(layer_norm(x, shape, ln1_w, ln1_b, eps)).view(self.heads).unbind(1)
             k.narrow(2, pos, 1).copy_(k_new)
             v.narrow(2, pos, 1).copy_(v_new)
-            y = _one_thread_sdpa(q, k.narrow(2, 0, end), v.narrow(2, 0, end), threads)
+            y = _sdpa(q, k.narrow(2, 0, end), v.narrow(2, 0, end))
             x = x + attn_proj(y.reshape(1, C))
             x = x + mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh"))
         return self.head(layer_norm(x, shape, self.lnf[0], self.lnf[1], eps))
 
 
 _sdpa, _gelu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.gelu
-
-
-def _one_thread_sdpa(q: Tensor, k: Tensor, v: Tensor, threads: int) -> Tensor:
-    """PyTorch's fused attention of one query on one thread, the others' setting put back after.
-    Its CPU kernel gives each (batch, head) to one thread, so the result is the same bits on any
-    number of threads; but for one query the threads' start and join cost more than the work: on
-    the 2-core Xeon measured, 15 us on one thread against 27-55 us on two at 200 keys (and far
-    more when another process holds the other core). ``decode_step.cpp`` does the same."""
-    if threads == 1:
-        return _sdpa(q, k, v)
-    torch.set_num_threads(1)
-    try:
-        return _sdpa(q, k, v)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _detached(t: Tensor | None) -> Tensor | None:
