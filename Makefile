@@ -16,6 +16,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # Redone only when the dependency lists change (or the venv is removed).
 STAMP := $(VENV)/.gptlab-setup-stamp
+# Made once the C++ decode step is built; redone when its source or the set-up changes.
+NATIVE := $(VENV)/.gptlab-native-stamp
 # Number of pytest-xdist workers; PYTEST_ARGS adds options (e.g. PYTEST_ARGS='-m "not slow"').
 WORKERS ?= 2
 PYTEST_ARGS ?=
@@ -38,9 +40,9 @@ help:
 	@echo "make test-fast  the same without the tests marked slow"
 	@echo "make test-cpu-paths  the book's outputs and the grading checks under every MKL_CBWR / ATEN_CPU_CAPABILITY"
 	@echo "make exercises  regenerate exercises/ from solutions/ (python -m gptlab course release)"
-	@echo "make clean      remove the built book and the set-up stamp"
+	@echo "make clean      remove the built book and the set-up stamps"
 
-setup: $(STAMP) chromium
+setup: $(STAMP) $(NATIVE) chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	@echo "==> creating $(VENV) and installing gptlab with its dev extras"
@@ -50,6 +52,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip check
 	$(PY) -c 'import gptlab, torch; print(f"gptlab {gptlab.__version__}, torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'
 	touch $@
+
+# The C++ decode step (gptlab/fast/decode_step.cpp; tens of seconds, once): one line saying it is
+# built, or, where it cannot be (no C++ compiler), one line saying what is lost and how to get it;
+# never a failure. The stamp is made only once it is built, so a compiler installed later is used.
+$(NATIVE): $(STAMP) gptlab/fast/decode_step.cpp
+	@$(PY) -m gptlab build-native --optional
+	@if $(PY) -c 'import sys; from gptlab.fast import native; sys.exit(not native.is_built())'; then touch $@; fi
 
 # Headless Chromium and its driver, for the browser test of the built book (tests/test_browser.py):
 # the Debian packages, installed when apt-get is there and we are root or may sudo without a
@@ -73,7 +82,7 @@ data: $(STAMP)
 # as tests/_book_build.py's BOOK_ENV (tests/test_book.py checks it).
 BOOK_ENV := GPTLAB_PROGRESS=text HF_HUB_DISABLE_PROGRESS_BARS=1
 
-book: $(STAMP) data
+book: $(STAMP) $(NATIVE) data
 	@echo "==> building the book into _build/html"
 	$(BOOK_ENV) $(VENV)/bin/jupyter-book build . -W -n --keep-going
 	test -f _build/html/index.html
@@ -87,12 +96,12 @@ book: $(STAMP) data
 # ATEN_CPU_CAPABILITY; by default MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default).
 BOOK_TESTS := tests/test_book.py tests/test_browser.py tests/test_book_cpu_paths.py
 
-test: $(STAMP) data chromium
+test: $(STAMP) $(NATIVE) data chromium
 	@echo "==> running the test suite (the book's tests last, on their own)"
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile $(addprefix --ignore=,$(BOOK_TESTS)) $(PYTEST_ARGS)
 	$(PY) -m pytest $(BOOK_TESTS) $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
-test-fast: $(STAMP) data
+test-fast: $(STAMP) $(NATIVE) data
 	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not slow" $(PYTEST_ARGS)
 
 # Every CPU code path this machine can run, one at a time (README, "Tests"): the chapters' stored
@@ -112,4 +121,4 @@ exercises: $(STAMP)
 	$(PY) -m gptlab course release
 
 clean:
-	rm -rf _build $(STAMP)
+	rm -rf _build $(STAMP) $(NATIVE)

@@ -1091,17 +1091,27 @@ def _train_arguments(p: argparse.ArgumentParser) -> None:
 
 def _build_native_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="show the compiler's commands and output")
+    p.add_argument("--optional", action="store_true",
+                   help="where it cannot be built, say in one line what is lost and exit 0 (make setup)")
 
 
 def cmd_build_native(args: argparse.Namespace) -> int:
-    """``python -m gptlab build-native``: build the C++ decode step; exit 1, saying why, where it cannot."""
+    """``python -m gptlab build-native``: build the C++ decode step; exit 1, saying why, where it
+    cannot (``--optional``: one line saying what is lost and how to get it, exit 0)."""
     try:
         seconds = native.build(verbose=args.verbose)
     except native.NativeBuildError as e:
+        if args.optional:
+            print(f"==> NOTE: {e}; until then batch-1 decoding runs its Python step, slower "
+                  "(then: python -m gptlab build-native)")
+            return 0
         print(f"python -m gptlab build-native: {e}", file=sys.stderr)
         return 1
     what = "already built" if seconds == 0 else f"built in {seconds:.1f} s"
-    print(f"the C++ decode step is {what}: {native.build_dir()}")
+    if args.optional:
+        print(f"==> the C++ decode step is {what} ({native.build_dir()}): batch-1 decoding runs its steps in C++")
+    else:
+        print(f"the C++ decode step is {what}: {native.build_dir()}")
     return 0
 
 

@@ -7,7 +7,8 @@
   and CI), so the data cache can be seeded offline; the project works without it.
 * Tests marked ``gpu`` are skipped, with the reason, when no CUDA device is available.
 * A test that changes torch's thread count (training with ``num_threads``) gets it restored after.
-* Decoders run the Python decode step even where the C++ one is built in the user's cache
+* Decoders run the Python decode step (``gptlab.fast.native.PythonDecoder``, or the model's own
+  step where that cannot reproduce the model) even where the C++ one is built in the user's cache
   (``python -m gptlab build-native``), so a test's path does not depend on what that cache holds;
   tests marked ``native`` (tests/test_native.py) build it in a folder of their own and use it.
 """

@@ -22,8 +22,13 @@ How it is used.
   batch-1 decode through it, wherever the model is one it reproduces exactly (:func:`why_not`: a
   :class:`gptlab.GPT` of GPT-2's architecture, float32 on the CPU, in eval mode, with no hooks).
   Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, RoPE,
-  RMSNorm, grouped-query attention, a forward hook) runs the Python step, :meth:`gptlab.GPT.decode`.
-  Nothing is ever built behind the learner's back: without a build, everything runs in Python.
+  RMSNorm, grouped-query attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
+* Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
+  Python: the same operations on the same tensors, without the model's modules between them (the
+  same logits again). ``make setup`` builds the C++ step where a compiler exists
+  (``python -m gptlab build-native --optional``); elsewhere a decode that runs the Python twin says
+  once per process, in one line, how to build it (:func:`hint`). Nothing is ever built behind the
+  learner's back.
 
 :func:`last_use` says whether the last decode of this process ran it, and if not, why not.
 """
@@ -34,6 +39,9 @@ import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import os
+import shutil
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +60,8 @@ from ..model import GPT, Block
 from . import cpu
 from .cpu import PackedLinear
 
-__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "NativeBuildError"]
+__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "hint",
+           "PythonDecoder", "NativeBuildError"]
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 
@@ -107,6 +116,10 @@ def build(verbose: bool = False) -> float:
     if is_built():
         _module()
         return 0.0
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise NativeBuildError(f"building the C++ decode step needs a C++ compiler: no {compiler!r} on the PATH "
+                               "(e.g. apt-get install g++, or set $CXX)")
     try:
         from torch.utils.cpp_extension import load, verify_ninja_availability
 
@@ -211,14 +224,70 @@ def _tensors(model: nn.Module, cache: Any) -> tuple[list[Tensor], list[int], flo
     return [x.detach() for x in tensors], ints, float(t.ln_f.eps)
 
 
+class PythonDecoder:
+    """The Python twin of ``decode_step.cpp``'s ``Decoder``: the same operations, in the same order,
+    on the same tensors, called from Python but without the model's modules between them (no
+    ``nn.Module`` calls, no keyword arguments, no checks: :func:`why_not` made them once). What a
+    machine without the C++ build runs for a batch-1 one-token step; its logits are the model's to
+    the last bit (``tests/test_native.py``), and a step costs about 0.1 ms of Python less than
+    :meth:`gptlab.GPT.decode` on GPT-2 Mini's shape.
+
+    Built, like the C++ ``Decoder``, from the model with its packed layers installed and the
+    cache whose buffers it writes in place; ``step(idx (1, 1), pos) -> logits (1, V)``.
+    """
+
+    def __init__(self, model: nn.Module, cache: Any):
+        c, t = model.config, model.transformer
+        self.C, self.shape, self.eps = c.n_embd, (c.n_embd,), float(t.ln_f.eps)
+        self.heads = (1, 3, c.n_head, 1, c.head_dim)
+        self.wte, self.wpe = t.wte.weight.detach(), t.wpe.weight.detach()
+        self.lnf = (t.ln_f.weight.detach(), _detached(t.ln_f.bias))
+        self.layers = [(b.ln_1.weight.detach(), _detached(b.ln_1.bias), b.ln_2.weight.detach(), _detached(b.ln_2.bias),
+                        _product(b.attn.c_attn), _product(b.attn.c_proj), _product(b.mlp.c_fc), _product(b.mlp.c_proj),
+                        cache.k[i], cache.v[i]) for i, b in enumerate(t.h)]
+        self.head = _product(model.lm_head)
+
+    def step(self, idx: Tensor, pos: int) -> Tensor:
+        """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
+        logits (1, V); writes its keys and values at slot ``pos``."""
+        C, shape, eps, layer_norm, end = self.C, self.shape, self.eps, torch.layer_norm, pos + 1
+        x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)
+        for ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v in self.layers:
+            q, k_new, v_new = attn(layer_norm(x, shape, ln1_w, ln1_b, eps)).view(self.heads).unbind(1)
+            k.narrow(2, pos, 1).copy_(k_new)
+            v.narrow(2, pos, 1).copy_(v_new)
+            y = _sdpa(q, k.narrow(2, 0, end), v.narrow(2, 0, end))
+            x = x + attn_proj(y.reshape(1, C))
+            x = x + mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh"))
+        return self.head(layer_norm(x, shape, self.lnf[0], self.lnf[1], eps))
+
+
+_sdpa, _gelu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.gelu
+
+
+def _detached(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach()
+
+
+def _product(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """One linear layer's product of a vector (1, in) as the model's step computes it: the packed
+    blocks' (:func:`gptlab.fast.cpu.blocks_product`) or ``F.linear`` on the plain weight."""
+    if isinstance(m, PackedLinear):
+        blocks = m.blocks
+        return lambda x: cpu.blocks_product(x, blocks)
+    weight, bias, linear = m.weight.detach(), _detached(m.bias), torch.nn.functional.linear
+    return lambda x: linear(x, weight, bias)
+
+
 _LAST: list[str | None] = [None]  # why the last decode did not use the C++ step (None: it did)
 _OFF: list[int] = [0]  # open disabled() blocks
 
 
 @contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block, decoders run the Python step even where the C++ one is built (a benchmark's
-    comparison, a test of the Python path)."""
+    """Within the block, decoders run the Python step (:class:`PythonDecoder`, what a machine
+    without the build runs) even where the C++ one is built (a benchmark's comparison, a test of
+    the Python path)."""
     _OFF[0] += 1
     try:
         yield
@@ -234,24 +303,28 @@ def last_use() -> str:
 def native_decode(model: nn.Module, cache: Any,
                   fallback: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """A decode function for the Runner: ``f(idx (B, T), cache, **kw) -> logits (B, V)`` that runs
-    one-token, batch-1, unpadded steps on ``cache`` in C++ and everything else through
-    ``fallback`` (``model.decode``). Returns ``fallback`` itself where the C++ step is not built or
-    cannot reproduce the model (:func:`why_not`); :func:`last_use` says which.
+    one-token, batch-1, unpadded steps on ``cache`` in C++ where it is built (else through its
+    Python twin, :class:`PythonDecoder`) and everything else through ``fallback``
+    (``model.decode``). Returns ``fallback`` itself where neither can reproduce the model
+    (:func:`why_not`); :func:`last_use` says which step ran. A decode that runs the Python twin
+    because nothing is built prints, once per process, how to build the C++ step (:func:`hint`).
 
-    Call it with the model as the decode will run it (the packed layers installed): the C++ step
+    Call it with the model as the decode will run it (the packed layers installed): the step
     holds the tensors it finds now, and the cache's buffers.
     """
-    module = None if _OFF[0] else _module()
-    if _OFF[0]:
-        reason = "turned off (gptlab.fast.native.disabled)"
-    elif module is None:
-        reason = "not built on this machine (python -m gptlab build-native)"
-    else:
-        reason = why_not(model, cache)
-    _LAST[0] = reason
+    reason = why_not(model, cache)
     if reason is not None:
+        _LAST[0] = reason
         return fallback
-    decoder = module.Decoder(*_tensors(model, cache))
+    module = None if _OFF[0] else _module()
+    if module is not None:
+        _LAST[0] = None
+        decoder = module.Decoder(*_tensors(model, cache))
+    else:
+        _LAST[0] = "turned off (gptlab.fast.native.disabled)" if _OFF[0] else NOT_BUILT
+        if not _OFF[0]:
+            hint()
+        decoder = PythonDecoder(model, cache)
     k, v = cache.k, cache.v
 
     def step(idx: Tensor, kv_cache: Any, **kw: Any) -> Tensor:
@@ -263,3 +336,22 @@ def native_decode(model: nn.Module, cache: Any,
         return logits
 
     return step
+
+
+NOT_BUILT = "not built on this machine (python -m gptlab build-native)"
+HINT = ("gptlab: batch-1 decoding runs its Python step here; `python -m gptlab build-native` (once per machine, "
+        "needs a C++ compiler) runs its steps in C++, faster")
+_HINTED: list[bool] = [False]
+
+
+def hint() -> bool:
+    """Print :data:`HINT` to stderr, once per process; return whether it printed now. Never where
+    no one reads it: under pytest, in CI (``$CI``), in the book's unattended builds
+    (``GPTLAB_PROGRESS=text``, which ``make book`` sets), or with ``GPTLAB_NATIVE_HINT=0``."""
+    env = os.environ
+    if _HINTED[0] or env.get("GPTLAB_NATIVE_HINT") == "0" or "PYTEST_CURRENT_TEST" in env or env.get("CI") \
+            or env.get("GPTLAB_PROGRESS") == "text":
+        return False
+    _HINTED[0] = True
+    print(HINT, file=sys.stderr)
+    return True

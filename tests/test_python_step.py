@@ -1,0 +1,120 @@
+"""The Python decode step where the C++ one is not built (gptlab.fast.native.PythonDecoder), the
+one-line hint that says how to build the C++ one, and the set-up that builds it (``make setup`` ->
+``python -m gptlab build-native --optional``). None of these needs the C++ step built: what does is
+in tests/test_native.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gptlab import generate, speculative_generate
+from gptlab.cli import main
+from gptlab.fast import cpu, native
+from gptlab.fast.cpu import pack_for_decoding
+from gptlab.kvcache import StaticKVCache
+from tiny_models import tiny_gpt
+
+from conftest import REPO_ROOT
+
+# Marked like tests/test_native.py so that conftest leaves the C++ step on: each test that decodes
+# points GPTLAB_CACHE at an empty folder, where nothing is built.
+pytestmark = pytest.mark.native
+
+
+def _gpt2(seed: int = 0, **kw):
+    cfg = dict(vocab_size=53, block_size=64, n_layer=3, n_head=3, n_embd=48)
+    cfg.update(kw)
+    return tiny_gpt(seed, **cfg)
+
+
+@pytest.mark.parametrize("product", ["bag", "bmm", "plain"])
+@pytest.mark.parametrize("kw", [{}, dict(bias=False), dict(tie_weights=False)], ids=["gpt2", "no_bias", "untied"])
+def test_the_python_twin_gives_the_model_s_logits_and_cache(product, kw, monkeypatch):
+    """Its steps are the model's (``model.decode``) to the last bit, on every product kind."""
+    if product == "bmm":
+        monkeypatch.setattr(cpu, "EMBEDDING_BAG_PRODUCT", False)
+    model = _gpt2(**kw)
+    ids = torch.randint(0, 53, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: product != "plain"):
+        ref, got = StaticKVCache.for_model(model, 1, 32), StaticKVCache.for_model(model, 1, 32)
+        want = [model.decode(ids[:, :4], ref)]
+        model.decode(ids[:, :4], got)
+        twin = native.PythonDecoder(model, got)
+        logits = [want[0]]
+        for t in range(4, 24):
+            want.append(model.decode(ids[:, t : t + 1], ref))
+            logits.append(twin.step(ids[:, t : t + 1], got.length))
+            got.advance(1)
+    assert torch.equal(torch.cat(logits), torch.cat(want))
+    assert torch.equal(got.k, ref.k) and torch.equal(got.v, ref.v)
+
+
+def test_decoders_run_it_and_give_the_model_s_tokens(monkeypatch, tmp_path):
+    """Nothing built: generate's and speculative decoding's one-token steps run the Python twin,
+    with the tokens of the model's own step (a hooked model runs that one)."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    target, draft = _gpt2(scale=3.0), _gpt2(seed=1, n_layer=1, scale=3.0)
+    idx = torch.tensor([[2, 4, 6]])
+    calls = []
+    real = native.PythonDecoder.step
+    monkeypatch.setattr(native.PythonDecoder, "step", lambda self, i, p: calls.append(p) or real(self, i, p))
+    got = generate(target, idx, 20, temperature=0)
+    assert native.last_use() == f"the Python decode step: {native.NOT_BUILT}" and len(calls) == 19
+    handle = target.transformer.h[0].register_forward_hook(lambda m, i, o: None)  # the model's own step
+    assert torch.equal(generate(target, idx, 20, temperature=0), got)
+    assert "hook" in native.last_use() and len(calls) == 19
+    handle.remove()
+    spec, _ = speculative_generate(target, draft, idx, 20, temperature=0, num_draft_tokens=4)
+    assert torch.equal(spec, got) and len(calls) > 19  # the draft's guesses ran the twin
+
+
+def test_the_hint_is_one_line_once_per_process(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    for name in ("PYTEST_CURRENT_TEST", "CI", "GPTLAB_PROGRESS", "GPTLAB_NATIVE_HINT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(native, "_HINTED", [False])
+    model = _gpt2()
+    generate(model, torch.tensor([[1]]), 3, temperature=0)
+    generate(model, torch.tensor([[1]]), 3, temperature=0)
+    err = capsys.readouterr().err
+    assert err == native.HINT + "\n" and "python -m gptlab build-native" in err
+    monkeypatch.setattr(native, "_HINTED", [False])
+    with native.disabled():  # a comparison that turns the C++ step off is not told
+        generate(model, torch.tensor([[1]]), 3, temperature=0)
+    for env in ({"GPTLAB_NATIVE_HINT": "0"}, {"CI": "true"}, {"GPTLAB_PROGRESS": "text"}):
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            generate(model, torch.tensor([[1]]), 3, temperature=0)
+    assert capsys.readouterr().err == ""
+
+
+def test_build_native_optional_without_a_compiler(monkeypatch, tmp_path, capsys):
+    """``make setup``'s call: one line saying what is lost and how to get it, exit 0; without
+    ``--optional`` the same error exits 1."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    assert main(["build-native", "--optional"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and out.startswith("==> NOTE: building the C++ decode step needs a C++ compiler")
+    assert "python -m gptlab build-native" in out
+    assert main(["build-native"]) == 1
+    assert "needs a C++ compiler" in capsys.readouterr().err
+
+
+def test_make_setup_builds_the_native_step(tmp_path):
+    """The set-up of both README commands runs ``build-native --optional`` (``make -n`` prints it)."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".gptlab-setup-stamp").touch()
+    for goal in ("setup", "book", "test"):
+        run = subprocess.run(["make", "-n", f"VENV={venv}", f"PY={sys.executable}", goal], cwd=REPO_ROOT,
+                             capture_output=True, text=True)
+        assert "-m gptlab build-native --optional" in run.stdout, (goal, run.stdout, run.stderr)
