@@ -78,6 +78,7 @@ except Exception as e:
 out["home"] = os.environ.get("HOME")
 out["cwd"] = os.getcwd()
 out["env_has_secret"] = "GPTLAB_GRADING_SECRET" in os.environ
+out["native_hint"] = os.environ.get("GPTLAB_NATIVE_HINT")
 out["ppid"] = os.getppid()
 out["processes"] = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
 try:
@@ -149,6 +150,7 @@ def test_what_a_kernel_sees_and_reaches_from_inside(tmp_path):
     assert got["views"] == [], got["views"]  # no other assignment's copy of gptlab to import from
     assert got["home"] == sandbox.HOME and got["cwd"].startswith(sandbox.HOME)
     assert got["env_has_secret"] is False
+    assert got["native_hint"] == "0"  # the C++ step's build hint never lands in a graded output
     assert got["ppid"] == 1 and len(got["processes"]) <= 4, got["processes"]  # bwrap's init, this, its child
     assert got["write_package"] is False and got["write_prefix"] is False
     assert got["write_home"] is True and got["write_tmp"] is True

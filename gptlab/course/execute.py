@@ -213,7 +213,8 @@ class GptlabExecute(Execute):
         kwargs.setdefault("stdout", subprocess.DEVNULL)
         from .secret import ENV
 
-        kwargs.setdefault("env", {k: v for k, v in os.environ.items() if k != ENV})
+        # nor prints the C++ decode step's build hint into a learner's graded output
+        kwargs.setdefault("env", {**{k: v for k, v in os.environ.items() if k != ENV}, "GPTLAB_NATIVE_HINT": "0"})
         if getattr(self, "_workdir", None):
             kwargs["cwd"] = self._workdir
         return await super().async_start_new_kernel(**kwargs)

@@ -380,7 +380,8 @@ def sandbox_env(cache: Path | None) -> dict[str, str]:
     venv_bin = os.path.dirname(sys.executable)
     env.update({"PATH": f"{venv_bin}:/usr/local/bin:/usr/bin:/bin", "HOME": HOME, "TMPDIR": "/tmp",
                 "USER": "learner", "LOGNAME": "learner", "PYTHONDONTWRITEBYTECODE": "1",
-                "GPTLAB_SANDBOX": "1", "HF_HUB_OFFLINE": "1"})
+                "GPTLAB_SANDBOX": "1", "HF_HUB_OFFLINE": "1",
+                "GPTLAB_NATIVE_HINT": "0"})  # no build hint in a learner's graded output (the build is hidden)
     env.setdefault("LANG", "C.UTF-8")
     if cache is not None:
         env["GPTLAB_CACHE"] = str(cache)
