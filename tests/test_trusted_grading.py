@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from processes import command_lines
+from processes import command_lines, of_another_test_worker
 
 from gptlab.course import Course
 from gptlab.course.trusted import TrustedGrader
@@ -556,9 +556,13 @@ def _grade_rows(db: Path) -> list[tuple]:
 
 
 def _survivors() -> list[str]:
-    """Processes left by a grading run: sandboxes, kernels, attack programs."""
-    return [f"{pid}: {cmd[:200]}" for pid, cmd, _ in command_lines()
-            if MARK in cmd or "kernel_boot.py" in cmd or ("bwrap" in cmd and "gptlab-sandbox" in cmd)]
+    """Processes left by a grading run: sandboxes, kernels, attack programs (not those of a test that
+    the other pytest-xdist worker runs meanwhile: test_sandbox's, test_course_run's kernels)."""
+    procs = list(command_lines())
+    envs = {pid: env for pid, _, env in procs}
+    return [f"{pid}: {cmd[:200]}" for pid, cmd, _ in procs
+            if (MARK in cmd or "kernel_boot.py" in cmd or ("bwrap" in cmd and "gptlab-sandbox" in cmd))
+            and (MARK in cmd or not of_another_test_worker(pid, envs))]
 
 
 @pytest.fixture(scope="module")
