@@ -632,9 +632,10 @@ def _not_a_folder(path: Path) -> Path | None:
     return None
 
 
-def _check_db(db: str) -> None:
-    """``--db``: a path whose folder exists, or a database URL SQLAlchemy can use (``sqlite:///...``);
-    a :class:`CourseError` saying which otherwise (SQLAlchemy's tracebacks named neither)."""
+def _check_db(db: str, what: str = "--db") -> None:
+    """``--db`` (or the gradebook ``nbgrader_config.py`` names, ``what`` says which): a path whose
+    folder exists, or a database URL SQLAlchemy can use (``sqlite:///...``); a :class:`CourseError`
+    saying which otherwise (SQLAlchemy's tracebacks named neither)."""
     from sqlalchemy.engine import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
@@ -645,34 +646,37 @@ def _check_db(db: str) -> None:
             url = make_url(db)
             url.get_dialect()
         except NoSuchModuleError:  # an ArgumentError too
-            raise CourseError(f"--db {db!r}: SQLAlchemy knows no database kind {url.drivername!r}; give "
+            raise CourseError(f"{what} {db!r}: SQLAlchemy knows no database kind {url.drivername!r}; give "
                               f"{example}") from None
         except ArgumentError:
-            raise CourseError(f"--db {db!r} is neither a file path nor a database URL: give {example}") from None
+            raise CourseError(f"{what} {db!r} is neither a file path nor a database URL: give {example}") from None
         if url.drivername.split("+")[0] != "sqlite" or not url.database or url.database == ":memory:":
             return
         path = Path(url.database).expanduser()
     if path.is_dir():
-        raise CourseError(f"--db {db}: {path} is a folder; give the gradebook file in it, e.g. {path / 'gradebook.db'}")
+        raise CourseError(f"{what} {db}: {path} is a folder; give the gradebook file in it, e.g. {path / 'gradebook.db'}")
     try:
         with open(path, "rb") as f:
             head = f.read(16)
     except FileNotFoundError:
         head = b""
     except OSError as e:
-        raise CourseError(f"--db {db}: cannot read {path} ({e.strerror or e})") from None
+        raise CourseError(f"{what} {db}: cannot read {path} ({e.strerror or e})") from None
     if head and head != b"SQLite format 3\x00":  # an empty file is a new database to SQLite
-        raise CourseError(f"--db {db}: {path} is not an SQLite database (an nbgrader gradebook is one); "
+        raise CourseError(f"{what} {db}: {path} is not an SQLite database (an nbgrader gradebook is one); "
                           f"give the gradebook file, or a new file name")
     folder = path.parent.resolve()
     if not folder.is_dir():
-        raise CourseError(f"--db {db}: the folder {folder} does not exist; create it, or give {example}")
+        raise CourseError(f"{what} {db}: the folder {folder} does not exist; create it, or give {example}")
 
 
 def _course(args) -> Course:
     if args.db is not None:
         _check_db(args.db)
-    return Course(Path(args.course) if args.course else find_course(), args.db)
+    course = Course(Path(args.course) if args.course else find_course(), args.db)
+    if args.db is None:  # the gradebook nbgrader_config.py names (or its default, gradebook.db in the course)
+        _check_db(course.gradebook_url, f"the gradebook of {course.root / 'nbgrader_config.py'} (CourseDirectory.db_url)")
+    return course
 
 
 def _friendly(fn):

@@ -278,6 +278,33 @@ def test_course_grades_db_that_is_not_a_database(course_dir, tmp_path, capsys, u
     assert f.read_text() == "student,total\nann,3\n" and not (tmp_path / "g.csv").exists()
 
 
+@pytest.mark.parametrize("config_line, message", [
+    ("c.CourseDirectory.db_url = 'sqlite:///{tmp}/grades.csv'", "{tmp}/grades.csv is not an SQLite database"),
+    ("c.CourseDirectory.db_url = 'sqlite:///{tmp}/missing/g.db'", "the folder {tmp}/missing does not exist"),
+    ("c.CourseDirectory.db_url = 'nonsense://x'", "SQLAlchemy knows no database kind 'nonsense'"),
+])
+def test_course_grades_config_gradebook_that_cannot_be_one(course_dir, tmp_path, capsys, config_line, message):
+    """A gradebook that nbgrader_config.py names (no --db) and that is no database, or sits in a
+    missing folder, ended in SQLAlchemy's traceback: the same one line as --db, naming the config."""
+    (tmp_path / "grades.csv").write_text("student,total\nann,3\n")
+    with open(course_dir / "nbgrader_config.py", "a") as f:
+        f.write("\n" + config_line.format(tmp=tmp_path) + "\n")
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--output", str(tmp_path / "g.csv")], capsys)
+    assert rc == 2
+    line = _one_line_error(err)
+    assert f"the gradebook of {course_dir / 'nbgrader_config.py'}" in line and message.format(tmp=tmp_path) in line, line
+    assert (tmp_path / "grades.csv").read_text() == "student,total\nann,3\n"
+    assert not (tmp_path / "g.csv").exists()
+
+
+def test_course_grades_default_gradebook_that_is_not_a_database(course_dir, tmp_path, capsys):
+    """No db_url anywhere: the course's gradebook.db; a file of another kind there is named too."""
+    (course_dir / "gradebook.db").write_text("not a database")
+    rc, _, err = _run(["course", "grades", "--course", str(course_dir), "--output", str(tmp_path / "g.csv")], capsys)
+    assert rc == 2
+    assert f"{course_dir / 'gradebook.db'} is not an SQLite database" in _one_line_error(err)
+
+
 @pytest.mark.parametrize("timeout", ["0", "-5"])
 def test_course_autograde_timeout_must_be_positive(course_dir, capsys, timeout):
     """``--timeout 0`` (or below) silently removed the per-cell time limit."""
