@@ -414,19 +414,30 @@ class PythonDecoder:
                         _product(b.attn.c_attn), _product(b.attn.c_proj), _product(b.mlp.c_fc), _product(b.mlp.c_proj),
                         cache.k[i], cache.v[i]) for i, b in enumerate(t.h)]
         self.head = _product(model.lm_head)
+        # A plain c_attn writes its product into one buffer whose q, k and v views are made once
+        # (torch.addmm / torch.mm with out=: the kernels F.linear calls, so the same bits).
+        self.qkv = torch.empty(1, 3 * c.n_embd, dtype=self.wte.dtype)
+        self.qkv_views = self.qkv.view(self.heads).unbind(1)
+        self.plain_attn = [_plain(b.attn.c_attn) for b in t.h]
 
     def step(self, idx: Tensor, pos: int) -> Tensor:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
         logits (1, V); writes its keys and values at slot ``pos``."""
         C, shape, eps, layer_norm, end = self.C, self.shape, self.eps, torch.layer_norm, pos + 1
-        x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)
-        for ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v in self.layers:
-            q, k_new, v_new = attn(layer_norm(x, shape, ln1_w, ln1_b, eps)).view(self.heads).unbind(1)
+        qkv, views = self.qkv, self.qkv_views
+        x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)  # a new tensor: added to in place
+        for (ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v), plain in zip(self.layers, self.plain_attn):
+            h = layer_norm(x, shape, ln1_w, ln1_b, eps)
+            if plain is None:
+                q, k_new, v_new = attn(h).view(self.heads).unbind(1)
+            else:
+                plain(h, out=qkv)
+                q, k_new, v_new = views
             k.narrow(2, pos, 1).copy_(k_new)
             v.narrow(2, pos, 1).copy_(v_new)
             y = _sdpa(q, k.narrow(2, 0, end), v.narrow(2, 0, end))
-            x = x + attn_proj(y.reshape(1, C))
-            x = x + mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh"))
+            x.add_(attn_proj(y.view(1, C)))
+            x.add_(mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh")))
         return self.head(layer_norm(x, shape, self.lnf[0], self.lnf[1], eps))
 
 
@@ -435,6 +446,21 @@ _sdpa, _gelu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functi
 
 def _detached(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach()
+
+
+def _plain(m: nn.Module) -> Callable[..., Tensor] | None:
+    """A plain layer's product into a buffer, ``f(x, out=y)``, by the kernel ``F.linear`` runs
+    (``addmm`` with a bias, ``mm`` without); None for a packed layer."""
+    if isinstance(m, PackedLinear):
+        return None
+    wt = m.weight.detach().t()
+    if m.bias is None:
+        return lambda x, out: torch.mm(x, wt, out=out)
+    return functools.partial(_addmm_out, m.bias.detach(), wt)
+
+
+def _addmm_out(bias: Tensor, wt: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    return torch.addmm(bias, x, wt, out=out)
 
 
 def _product(m: nn.Module) -> Callable[[Tensor], Tensor]:

@@ -171,8 +171,9 @@ def _steps(
         if done is not None:
             nxt = nxt.masked_fill(done, pad)
             done = done | torch.isin(nxt, eos)
-        out[:, cur : cur + 1] = nxt
-        yield out[:, cur : cur + 1]
+        slot = out.narrow(1, cur, 1)  # out[:, cur : cur + 1], cheaper to make and to fill
+        slot.copy_(nxt)
+        yield slot
         if done is not None and bool(done.all()):
             return
 
