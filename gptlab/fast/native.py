@@ -54,6 +54,7 @@ import importlib.machinery
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -155,7 +156,7 @@ def build(verbose: bool = False) -> float:
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    flags = _openmp_flags()
+    flags = _openmp_flags(compiler)
     while True:
         try:
             module = load(_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], extra_ldflags=flags,
@@ -172,15 +173,23 @@ def build(verbose: bool = False) -> float:
     return time.perf_counter() - t0
 
 
-def _openmp_flags() -> list[str]:
-    """``-fopenmp`` where PyTorch's threads are OpenMP's and the compiler is GCC or clang off macOS:
-    ``at::parallel_for`` in the step's own product is a ``#pragma omp parallel`` compiled into the
-    extension, which runs on one thread without it (and joins PyTorch's own OpenMP pool with it:
-    the same ``libgomp.so.1``). Where the build fails with it, :func:`build` builds without."""
+def _openmp_flags(compiler: str) -> list[str]:
+    """``-fopenmp`` where PyTorch's threads are OpenMP's and the compiler is GCC (off macOS and
+    Windows): ``at::parallel_for`` in the step's own product is a ``#pragma omp parallel`` compiled
+    into the extension, which runs on one thread without it, and with it joins PyTorch's own OpenMP
+    pool (GCC's runtime, ``libgomp.so.1``, the one PyTorch's Linux wheels load). Not with clang,
+    whose ``-fopenmp`` links another runtime (``libomp``: a second pool of threads beside
+    PyTorch's); there, and where the build fails with it, the own product runs on one thread, and
+    the timing (:func:`products_plan`) decides whether it is worth it."""
     if sys.platform == "darwin" or os.name == "nt":
         return []
-    info = torch.__config__.parallel_info()
-    return ["-fopenmp"] if "parallel backend: OpenMP" in info else []
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return []
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["-fopenmp"] if "Free Software Foundation" in version and "clang" not in version.lower() else []
 
 
 # --------------------------------------------------------------------------- which models, which steps
