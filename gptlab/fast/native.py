@@ -312,8 +312,8 @@ def time_products(module: Any, layers: list[nn.Linear], rounds: int = 7) -> dict
     round after round; per shape the best round's mean per layer."""
     shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
     g = torch.Generator().manual_seed(0)
-    ws = [m.weight.detach() for m in layers]
-    bs = [torch.empty(0) if m.bias is None else m.bias.detach() for m in layers]
+    ws = [m.weight.detach().contiguous() for m in layers]
+    bs = [torch.empty(0) if m.bias is None else m.bias.detach().contiguous() for m in layers]
     xs = [torch.randn(m.in_features, generator=g) for m in layers]
     best: dict[bool, dict[str, float]] = {True: {}, False: {}}
     for r in range(rounds + 1):  # round 0 warms up
@@ -390,7 +390,8 @@ def _tensors(model: nn.Module, cache: Any,
                 ints.extend([2, P, inp, b.out_features])
         else:
             tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
-            ints.extend([3 if own(m) and m.weight.is_contiguous() else 0, 1, m.in_features, m.out_features])
+            laid_out = m.weight.is_contiguous() and (m.bias is None or m.bias.is_contiguous())
+            ints.extend([3 if laid_out and own(m) else 0, 1, m.in_features, m.out_features])
 
     for b in t.h:
         tensors.extend([b.ln_1.weight, none if b.ln_1.bias is None else b.ln_1.bias,
