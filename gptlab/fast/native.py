@@ -186,7 +186,7 @@ def _openmp_flags(compiler: str) -> list[str]:
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return []
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return []
     return ["-fopenmp"] if "Free Software Foundation" in version and "clang" not in version.lower() else []
