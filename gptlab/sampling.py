@@ -394,8 +394,11 @@ class SamplingConfig:
         """The next token of each row: logits (B, V) -> ids (B, 1). Greedy is the arg-max (of the
         penalised logits, if penalties are set); otherwise a draw after every filter."""
         if self.greedy and not self.penalties:
-            tokens = logits.argmax(dim=-1, keepdim=True)
-            check_drawn(logits, tokens)
+            # the arg-max (the first of equal maxima, as argmax) and its logit in one call: a decode
+            # step checks the chosen logit (check_drawn) without a gather
+            best, tokens = logits.max(dim=-1, keepdim=True)
+            if not float(best if best.numel() == 1 else best.min()) > float("-inf"):  # NaN or -inf
+                check_drawn(logits, tokens)
             return tokens
         processed = self.process(logits.float(), input_ids if self.penalties else None, mask)
         if self.greedy:  # process() kept the arg-max only

@@ -41,7 +41,11 @@ def native_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(autouse=True)
 def built(native_cache, monkeypatch) -> None:
+    """The built step, multiplying by its own product wherever it can (OWN_PRODUCT "always": the
+    fused step, whose logits equal the model's up to rounding); a test of the bit-exact step sets
+    "never"."""
     monkeypatch.setenv("GPTLAB_CACHE", native_cache)
+    monkeypatch.setattr(native, "OWN_PRODUCT", "always")
 
 
 def _gpt2(seed: int = 0, **kw):
@@ -66,6 +70,7 @@ def test_the_same_logits_and_cache_as_the_python_step(product, kw, monkeypatch):
     without FBGEMM's kernel), and the plain weight."""
     if product == "bmm":
         monkeypatch.setattr(cpu, "EMBEDDING_BAG_PRODUCT", False)
+    monkeypatch.setattr(native, "OWN_PRODUCT", "never")  # at::linear where the weight is plain
     model = _gpt2(**kw)
     ids = torch.randint(0, 53, (1, 24), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: product != "plain"):
@@ -73,6 +78,7 @@ def test_the_same_logits_and_cache_as_the_python_step(product, kw, monkeypatch):
         want = _steps(model, model.decode, ref, ids)
         step = native.native_decode(model, got, model.decode)
         assert native.last_use() == "the C++ decode step"
+        assert native.last_products().endswith("PyTorch operations step")
         logits = _steps(model, step, got, ids)
     assert torch.equal(logits, want)  # the same operations on the same tensors: the same bits
     assert got.length == ref.length == 24
@@ -150,9 +156,12 @@ def test_what_it_does_not_reproduce_runs_the_python_step():
     assert "not a float32" in native.why_not(model.double(), StaticKVCache.for_model(model.double(), 1, 8))
 
 
-def test_a_padded_batch_and_chunks_run_the_python_step_beside_it():
+@pytest.mark.parametrize("own", ["never", "always"])
+def test_a_padded_batch_and_chunks_run_the_python_step_beside_it(own, monkeypatch):
     """Batch 2 with left padding: the Python step; then batch 1: prefill and the chunks in Python,
-    the one-token steps in C++, on one cache."""
+    the one-token steps in C++, on one cache: the same bits with the PyTorch operations step, the
+    same up to rounding with the fused one."""
+    monkeypatch.setattr(native, "OWN_PRODUCT", own)
     model = _gpt2(scale=3.0)
     idx = torch.tensor([[0, 4, 5], [6, 7, 8]])
     mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
@@ -167,8 +176,11 @@ def test_a_padded_batch_and_chunks_run_the_python_step_beside_it():
         for a, b in ((0, 5), (5, 6), (6, 9), (9, 10), (10, 11), (11, 15), (15, 16)):
             last_only = b - a == 1
             want = model.decode(ids[:, a:b], caches[0], last_only=last_only)
-            assert torch.equal(step(ids[:, a:b], caches[1], last_only=last_only) if not last_only
-                               else step(ids[:, a:b], caches[1]), want), (a, b)
+            got = step(ids[:, a:b], caches[1], last_only=last_only) if not last_only else step(ids[:, a:b], caches[1])
+            if own == "never":
+                assert torch.equal(got, want), (a, b)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{(a, b)}")
 
 
 def test_past_block_size_and_a_full_cache():
@@ -231,3 +243,110 @@ def test_bench_generate_runs_the_cpp_step(tmp_path, capsys):
     assert data["native"]["steps"] == "the C++ decode step" and data["native"]["built"] is True
     assert data["same_tokens"]["gptlab_python"] is True and data["same_tokens"]["gptlab_static_fwd"] is True
     assert "steps: the C++ decode step" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------- the step's own product
+
+
+@pytest.mark.parametrize("out_features, in_features", [(1, 1), (5, 17), (7, 33), (4, 16), (65, 48), (130, 100),
+                                                       (3, 1536), (1152, 384)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+def test_the_own_product_is_f_linear_up_to_rounding(out_features, in_features, bias):
+    """Rows not a multiple of 4, inputs not a multiple of 16 (the scalar tails), one row, one input."""
+    g = torch.Generator().manual_seed(out_features * 1000 + in_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(in_features, generator=g)
+    want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double()).float()
+    tol = 1e-6 * in_features ** 0.5 * 8
+    torch.testing.assert_close(native.matvec(w, x, b), want, rtol=1e-5, atol=tol)
+    torch.testing.assert_close(native.matvec(w, x.view(1, -1), b), want.view(1, -1), rtol=1e-5, atol=tol)
+    strided = torch.randn(2 * in_features, generator=g)[::2]  # not contiguous: copied
+    torch.testing.assert_close(native.matvec(w, strided, b),
+                               torch.nn.functional.linear(strided, w, b), rtol=1e-5, atol=tol)
+
+
+def test_the_own_product_does_not_depend_on_the_thread_count():
+    """Each output's sum is one thread's, in one order, whatever the split: the same bits."""
+    g = torch.Generator().manual_seed(3)
+    w, x, b = torch.randn(1536, 384, generator=g), torch.randn(384, generator=g), torch.randn(1536, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.matvec(w, x, b)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(native.matvec(w, x, b), one)
+
+
+def test_the_own_product_refuses_what_it_does_not_multiply():
+    w, x = torch.randn(8, 16), torch.randn(16)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        native.matvec(w.t().contiguous().t(), x)  # a transposed weight
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        native.matvec(w.double(), x)
+    with pytest.raises(RuntimeError, match="one float32 vector of in = 16"):
+        native.matvec(w, torch.randn(2, 16))  # two vectors
+    with pytest.raises(RuntimeError, match="empty or a contiguous float32"):
+        native.matvec(w, x, torch.randn(7))
+
+
+@pytest.mark.parametrize("kw", [{}, dict(bias=False), dict(tie_weights=False), dict(n_embd=60, n_head=3),
+                                dict(n_embd=36, n_head=2)],
+                         ids=["gpt2", "no_bias", "untied", "head_dim_20", "head_dim_18"])
+def test_the_fused_step_gives_the_model_s_logits_up_to_rounding(kw):
+    """The own product and the fused step (own layer norms, attention, GELU): the model's logits and
+    cache within float rounding, past 32 cached positions (where the heads go to several threads),
+    on widths and head sizes that are not multiples of 16."""
+    model = _gpt2(scale=2.0, **kw)
+    ids = torch.randint(0, 53, (1, 60), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
+        want = _steps(model, model.decode, ref, ids)
+        step = native.native_decode(model, got, model.decode)
+        assert native.last_products() == "own product for 13 of 13 linear layers, fused step"
+        logits = _steps(model, step, got, ids)
+    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
+    assert got.length == ref.length == 60
+    torch.testing.assert_close(got.k, ref.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.v, ref.v, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("own", ["always", "never"])
+def test_greedy_tokens_of_both_steps_equal_the_python_step_s(own, monkeypatch):
+    monkeypatch.setattr(native, "OWN_PRODUCT", own)
+    model = _gpt2(scale=3.0)
+    idx = torch.tensor([[5, 1, 7]])
+    with native.disabled():
+        want = generate(model, idx, 60, temperature=0)
+    assert torch.equal(generate(model, idx, 60, temperature=0), want)
+    assert native.last_products().startswith("own product for 13 of 13" if own == "always" else "own product for 0 of 13")
+
+
+def test_the_calibration_picks_the_own_product_per_shape_where_it_is_faster(tmp_path, monkeypatch):
+    """products_plan times each plain weight shape both ways once, keeps it in fast-native.json, and
+    the step multiplies by the own product only where it was clearly faster."""
+    import json
+
+    monkeypatch.setattr(native, "OWN_PRODUCT", "calibrated")
+    monkeypatch.setattr(native, "_PRODUCT_TIMINGS", {})
+    monkeypatch.setattr(cpu, "_busy", lambda: False)
+    model = _gpt2()
+    module = native._module()
+    path = tmp_path / native.PRODUCTS_FILE
+    monkeypatch.setattr(native, "products_path", lambda: path)
+    timings = native.products_plan(module, model)
+    assert set(timings) == {"144x48", "48x48", "192x48", "48x192", "53x48"}
+    assert all(t.linear_us > 0 and t.own_us > 0 for t in timings.values())
+    saved = json.loads(path.read_text())["machines"][native.products_key()]
+    assert set(saved) == set(timings)
+    # another process reads them: say the own product wins for c_fc's shape only
+    fake = {s: {"linear_us": 10.0, "own_us": 5.0 if s == "192x48" else 10.0} for s in saved}
+    path.write_text(json.dumps({"version": 1, "machines": {native.products_key(): fake}}))
+    monkeypatch.setattr(native, "_PRODUCT_TIMINGS", {})
+    model_scaled = _gpt2(scale=3.0)
+    idx = torch.tensor([[5, 1, 7]])
+    with native.disabled():
+        want = generate(model_scaled, idx, 20, temperature=0)
+    assert torch.equal(generate(model_scaled, idx, 20, temperature=0), want)
+    assert native.last_products() == "own product for 3 of 13 linear layers, fused step"

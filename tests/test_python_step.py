@@ -118,3 +118,19 @@ def test_make_setup_builds_the_native_step(tmp_path):
         run = subprocess.run(["make", "-n", f"VENV={venv}", f"PY={sys.executable}", goal], cwd=REPO_ROOT,
                              capture_output=True, text=True)
         assert "-m gptlab build-native --optional" in run.stdout, (goal, run.stdout, run.stderr)
+
+
+@pytest.mark.parametrize("version, flags", [
+    ("c++ (Debian 12.2.0-14) 12.2.0\nCopyright (C) 2022 Free Software Foundation, Inc.", ["-fopenmp"]),
+    ("Debian clang version 14.0.6\nTarget: x86_64-pc-linux-gnu", []),
+    ("Apple clang version 15.0.0 (clang-1500.3.9.4)", []),
+])
+def test_openmp_only_with_gcc(version, flags, monkeypatch):
+    """``build-native`` compiles the own product's parallel loop with GCC's OpenMP (PyTorch's own
+    pool, libgomp), never with clang's (another runtime, a second pool of threads)."""
+    import types
+
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info() or sys.platform == "darwin":
+        flags = []
+    monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=version))
+    assert native._openmp_flags("c++") == flags

@@ -196,7 +196,7 @@ def _same_tokens(fns: dict) -> tuple[dict, object, str]:
     print(f"decode path of gptlab_cached (fast=True), from {calibration_path()}:")
     print("  " + (plan.describe().replace("\n", "\n  ") if plan is not None else "none recorded"))
     steps = native.last_use()
-    print(f"  steps: {steps}")
+    print(f"  steps: {steps}" + (f" ({native.last_products()})" if native.last_products() and "C++" in steps else ""))
     for name in ("gptlab_uncached", "gptlab_concat", "gptlab_static_fwd", "gptlab_python", "hf_cached",
                  "gptlab_compiled"):
         if name in fns:
@@ -325,7 +325,7 @@ def run(args) -> int:
             "same_tokens": same,
             "compile_s": compile_s,
             "native": {"steps": steps, "build_s": build_s,
-                       "built": native.is_built()},
+                       "built": native.is_built(), "products": native.last_products() or None},
             "decode_path": None if plan is None else {"path": plan.path, "packed": len(plan.packed),
                                                       "plain": len(plan.plain), "description": plan.describe()},
             "sweep": {"lengths": lengths, "tokens_per_s": sweep},

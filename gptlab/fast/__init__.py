@@ -11,7 +11,8 @@ one job and puts the originals back after, the pattern of gpt-fast's ``quantize.
   :func:`gptlab.stream`, :func:`gptlab.beam_search` and :func:`gptlab.speculative_generate` use it
   with ``fast=True``.
 * :mod:`gptlab.fast.native`: the batch-1 one-token decode step in C++ (``decode_step.cpp``), the
-  same operations as the model's Python step without Python between them; built once per machine
+  same operations as the model's Python step without Python between them, or, where its own
+  one-vector product is faster on this machine, a fused step equal to it up to rounding; built once per machine
   (``python -m gptlab build-native``), then used by the same four decoders with ``fast=True``.
 * :mod:`gptlab.fast.compiled`: the model's own decode step through ``torch.compile``
   (:func:`~gptlab.fast.compiled.compiled_decode`), the GPU's fast path; the same four decoders use

@@ -9,7 +9,18 @@ on top of its work: GPT-2 Mini's step spends about a third of its time there. ``
 the same calls, in the same order, on the same tensors (the model's weights, the packed copies
 :class:`~gptlab.fast.cpu.PackedLinear` made, the :class:`~gptlab.kvcache.StaticKVCache`'s
 buffers, written in place), from C++: the logits are the same numbers, and a step costs the
-operations' own work. (``torch.compile`` is the other way to drop the Python; on the CPUs measured
+operations' own work.
+
+Its own product. PyTorch multiplies one vector by a weight (``F.linear``) on one core; the step
+has a product of its own (``matvec_into`` in ``decode_step.cpp``: four rows at a time in 16-lane
+vectors, GCC/clang vector extensions compiled for AVX-512, AVX2 or the baseline on x86 and picked
+at load time, NEON on ARM; the rows split over PyTorch's threads). Where a timing on this machine
+finds it faster than ``at::linear`` for a weight shape (:func:`products_plan`, once per machine and
+build, kept in ``cache_dir() / "fast-native.json"``), the step multiplies by it, and then runs
+fused: layer norms, the one query's attention (one head per thread), GELU and the residual adds
+as loops of its own on buffers made once. Its logits then equal the model's up to float rounding
+(the same sums in other orders), not to the last bit; where no shape is faster, the step is the
+PyTorch calls above, bit for bit. (``torch.compile`` is the other way to drop the Python; on the CPUs measured
 its generated code was slower than these kernels, see :mod:`gptlab.fast.compiled`.)
 
 How it is used.
@@ -37,13 +48,17 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import math
 import importlib.machinery
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -53,6 +68,7 @@ from torch.nn.modules import module as torch_module
 from torch import Tensor
 
 from ..assets import cache_dir
+from ..files import atomic_write_json
 from ..attention import CausalSelfAttention
 from ..kvcache import StaticKVCache
 from ..layers import MLP, LayerNorm
@@ -60,8 +76,8 @@ from ..model import GPT, Block
 from . import cpu
 from .cpu import PackedLinear
 
-__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "hint",
-           "PythonDecoder", "NativeBuildError"]
+__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "last_products",
+           "hint", "PythonDecoder", "NativeBuildError", "products_plan", "time_products", "ProductTiming", "matvec"]
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 
@@ -105,6 +121,17 @@ def _module() -> Any | None:
     return _MODULE[name]
 
 
+def matvec(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
+    """The C++ step's own product of one vector: ``F.linear(x, weight, bias)`` for x (in,) or (1, in)
+    (made contiguous), weight (out, in) float32 contiguous; equal to it up to float rounding (the same
+    sums in another order). Raises :class:`NativeBuildError` where nothing is built, ``RuntimeError``
+    on other shapes or dtypes."""
+    module = _module()
+    if module is None:
+        raise NativeBuildError(NOT_BUILT)
+    return module.matvec(weight.detach(), x.detach(), torch.empty(0) if bias is None else bias.detach())
+
+
 def is_built() -> bool:
     """``decode_step.cpp`` is built for this PyTorch, in :func:`build_dir`."""
     return _library() is not None
@@ -129,13 +156,40 @@ def build(verbose: bool = False) -> float:
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    try:
-        module = load(_name(), [str(SOURCE)], extra_cflags=["-O2"], build_directory=str(folder), verbose=verbose)
-    except (RuntimeError, OSError) as e:  # no compiler, or it failed: say what it said
-        lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        raise NativeBuildError(f"building the C++ decode step failed: {' '.join(lines[-3:])[:500]}") from e
+    flags = _openmp_flags(compiler)
+    while True:
+        try:
+            module = load(_name(), [str(SOURCE)], extra_cflags=["-O2", *flags], extra_ldflags=flags,
+                          build_directory=str(folder), verbose=verbose)
+            break
+        except (RuntimeError, OSError) as e:  # no compiler, or it failed: say what it said
+            if flags and any(w in str(e) for w in ("fopenmp'", "fopenmp\"", "omp.h", "-lgomp", "-lomp")):
+                # a compiler without OpenMP: the own product then runs on one thread
+                flags = []
+                continue
+            lines = [ln for ln in str(e).splitlines() if ln.strip()]
+            raise NativeBuildError(f"building the C++ decode step failed: {' '.join(lines[-3:])[:500]}") from e
     _MODULE.setdefault(_name(), module)
     return time.perf_counter() - t0
+
+
+def _openmp_flags(compiler: str) -> list[str]:
+    """``-fopenmp`` where PyTorch's threads are OpenMP's and the compiler is GCC (off macOS and
+    Windows): ``at::parallel_for`` in the step's own product is a ``#pragma omp parallel`` compiled
+    into the extension, which runs on one thread without it, and with it joins PyTorch's own OpenMP
+    pool (GCC's runtime, ``libgomp.so.1``, the one PyTorch's Linux wheels load). Not with clang,
+    whose ``-fopenmp`` links another runtime (``libomp``: a second pool of threads beside
+    PyTorch's); there, and where the build fails with it, the own product runs on one thread, and
+    the timing (:func:`products_plan`) decides whether it is worth it."""
+    if sys.platform == "darwin" or os.name == "nt":
+        return []
+    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return []
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return ["-fopenmp"] if "Free Software Foundation" in version and "clang" not in version.lower() else []
 
 
 # --------------------------------------------------------------------------- which models, which steps
@@ -191,9 +245,132 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
     return None
 
 
-def _tensors(model: nn.Module, cache: Any) -> tuple[list[Tensor], list[int], float]:
+# --------------------------------------------------------------------------- the own product, where it pays
+
+# Which plain weights the C++ step multiplies by its own product (decode_step.cpp, matvec_into)
+# instead of at::linear: "calibrated" (where products_plan's timing on this machine found it faster),
+# "always" or "never" (tests, experiments).
+OWN_PRODUCT = "calibrated"
+OWN_FASTER_BY = 0.95  # the own product where it takes under 95% of at::linear's time (beyond the noise)
+PRODUCTS_FILE = "fast-native.json"
+
+
+@dataclass(frozen=True)
+class ProductTiming:
+    """One weight shape's product of one vector in the C++ step, microseconds, best of the rounds."""
+
+    linear_us: float  # at::linear (PyTorch's BLAS call: for one vector, one core)
+    own_us: float  # decode_step.cpp's own product, split over the threads
+
+    @property
+    def faster(self) -> bool:
+        return self.own_us < OWN_FASTER_BY * self.linear_us
+
+
+def products_path() -> Path:
+    """Where the timings of the own product are kept: ``cache_dir() / "fast-native.json"``."""
+    return cache_dir() / PRODUCTS_FILE
+
+
+def products_key() -> str:
+    """What a timing of the own product holds for: :func:`gptlab.fast.cpu.machine_key` (CPU, threads,
+    torch) and the build (the source's hash)."""
+    return f"{cpu.machine_key()} | {_name()}"
+
+
+_PRODUCT_TIMINGS: dict[tuple[str, str], dict[str, ProductTiming]] = {}
+
+
+def _read_products(path: Path, key: str) -> dict[str, ProductTiming]:
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))["machines"][key]
+        return {shape: ProductTiming(float(t["linear_us"]), float(t["own_us"])) for shape, t in saved.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _save_products(path: Path, key: str, timings: dict[str, ProductTiming]) -> None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
+            raise ValueError
+    except (OSError, ValueError):
+        data = {"version": 1, "machines": {}}
+    entry = data["machines"].get(key)
+    entry = data["machines"][key] = entry if isinstance(entry, dict) else {}
+    entry.update({shape: asdict(t) for shape, t in timings.items()})
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, data)
+    except OSError:
+        pass
+
+
+def time_products(module: Any, layers: list[nn.Linear], rounds: int = 7) -> dict[str, ProductTiming]:
+    """Time one vector's product by each layer both ways in the C++ step (at::linear, the own
+    product), in the model's order (the weights stream as in a decode step), the two ways alternating
+    round after round; per shape the best round's mean per layer."""
+    shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
+    g = torch.Generator().manual_seed(0)
+    ws = [m.weight.detach().contiguous() for m in layers]
+    bs = [torch.empty(0) if m.bias is None else m.bias.detach().contiguous() for m in layers]
+    xs = [torch.randn(m.in_features, generator=g) for m in layers]
+    best: dict[bool, dict[str, float]] = {True: {}, False: {}}
+    for r in range(rounds + 1):  # round 0 warms up
+        for own in (True, False) if r % 2 else (False, True):
+            ns = module.time_products(ws, bs, xs, own)
+            if r:
+                total: dict[str, list[int]] = {}
+                for shape, t in zip(shapes, ns):
+                    total.setdefault(shape, []).append(t)
+                for shape, ts in total.items():
+                    best[own][shape] = min(best[own].get(shape, math.inf), sum(ts) / len(ts))
+    return {shape: ProductTiming(best[False][shape] / 1e3, best[True][shape] / 1e3) for shape in best[True]}
+
+
+def products_plan(module: Any, model: nn.Module) -> dict[str, ProductTiming]:
+    """The timings, on this machine and build, of ``model``'s plain weight shapes (``"out x in"``)
+    both ways in the C++ step: measured once (:func:`time_products`, about a decode step's time a
+    round) and kept in ``cache_dir() / "fast-native.json"`` under :func:`products_key` (not when the
+    machine is busy, :func:`gptlab.fast.cpu._busy`: the next process measures again)."""
+    path, key = products_path(), products_key()
+    memo = _PRODUCT_TIMINGS.get((str(path), key))
+    if memo is None:
+        memo = _PRODUCT_TIMINGS[(str(path), key)] = _read_products(path, key)
+    layers = [m for m in _linears(model) if type(m) is nn.Linear]
+    shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
+    todo = [m for m, s in zip(layers, shapes) if s not in memo]
+    if todo:
+        measured = time_products(module, todo)
+        memo.update(measured)
+        if not cpu._busy():
+            _save_products(path, key, measured)
+    return {s: memo[s] for s in dict.fromkeys(shapes)}
+
+
+def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether the C++ step multiplies by a layer's plain weight with its own product (OWN_PRODUCT)."""
+    if OWN_PRODUCT == "never":
+        return lambda m: False
+    if OWN_PRODUCT == "always":
+        return lambda m: type(m) is nn.Linear
+    timings = products_plan(module, model)
+    return lambda m: type(m) is nn.Linear and timings[f"{m.out_features}x{m.in_features}"].faster
+
+
+_PRODUCTS: list[str] = [""]  # the products the last C++ step ran (last_products)
+
+
+def last_products() -> str:
+    """How the last decode that ran the C++ step multiplied by its weights ("" before any)."""
+    return _PRODUCTS[0]
+
+
+def _tensors(model: nn.Module, cache: Any,
+             own: Callable[[nn.Module], bool] = lambda m: False) -> tuple[list[Tensor], list[int], float]:
     """What ``Decoder`` takes (see ``decode_step.cpp``): the model's tensors, and per linear layer
-    its packed copy (a :class:`PackedLinear`'s blocks) or its plain weight."""
+    its packed copy (a :class:`PackedLinear`'s blocks) or its plain weight (multiplied by at::linear,
+    or by the step's own product where ``own(layer)``)."""
     none = torch.empty(0)
     c, t = model.config, model.transformer
     tensors = [t.wte.weight, t.wpe.weight, t.ln_f.weight, none if t.ln_f.bias is None else t.ln_f.bias,
@@ -213,7 +390,8 @@ def _tensors(model: nn.Module, cache: Any) -> tuple[list[Tensor], list[int], flo
                 ints.extend([2, P, inp, b.out_features])
         else:
             tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
-            ints.extend([0, 1, m.in_features, m.out_features])
+            laid_out = m.weight.is_contiguous() and (m.bias is None or m.bias.is_contiguous())
+            ints.extend([3 if laid_out and own(m) else 0, 1, m.in_features, m.out_features])
 
     for b in t.h:
         tensors.extend([b.ln_1.weight, none if b.ln_1.bias is None else b.ln_1.bias,
@@ -246,19 +424,30 @@ class PythonDecoder:
                         _product(b.attn.c_attn), _product(b.attn.c_proj), _product(b.mlp.c_fc), _product(b.mlp.c_proj),
                         cache.k[i], cache.v[i]) for i, b in enumerate(t.h)]
         self.head = _product(model.lm_head)
+        # A plain c_attn writes its product into one buffer whose q, k and v views are made once
+        # (torch.addmm / torch.mm with out=: the kernels F.linear calls, so the same bits).
+        self.qkv = torch.empty(1, 3 * c.n_embd, dtype=self.wte.dtype)
+        self.qkv_views = self.qkv.view(self.heads).unbind(1)
+        self.plain_attn = [_plain(b.attn.c_attn) for b in t.h]
 
     def step(self, idx: Tensor, pos: int) -> Tensor:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
         logits (1, V); writes its keys and values at slot ``pos``."""
         C, shape, eps, layer_norm, end = self.C, self.shape, self.eps, torch.layer_norm, pos + 1
-        x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)
-        for ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v in self.layers:
-            q, k_new, v_new = attn(layer_norm(x, shape, ln1_w, ln1_b, eps)).view(self.heads).unbind(1)
+        qkv, views = self.qkv, self.qkv_views
+        x = torch.embedding(self.wte, idx).view(1, C) + self.wpe.narrow(0, pos, 1)  # a new tensor: added to in place
+        for (ln1_w, ln1_b, ln2_w, ln2_b, attn, attn_proj, fc, mlp_proj, k, v), plain in zip(self.layers, self.plain_attn):
+            h = layer_norm(x, shape, ln1_w, ln1_b, eps)
+            if plain is None:
+                q, k_new, v_new = attn(h).view(self.heads).unbind(1)
+            else:
+                plain(h, out=qkv)
+                q, k_new, v_new = views
             k.narrow(2, pos, 1).copy_(k_new)
             v.narrow(2, pos, 1).copy_(v_new)
             y = _sdpa(q, k.narrow(2, 0, end), v.narrow(2, 0, end))
-            x = x + attn_proj(y.reshape(1, C))
-            x = x + mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh"))
+            x.add_(attn_proj(y.view(1, C)))
+            x.add_(mlp_proj(_gelu(fc(layer_norm(x, shape, ln2_w, ln2_b, eps)), approximate="tanh")))
         return self.head(layer_norm(x, shape, self.lnf[0], self.lnf[1], eps))
 
 
@@ -267,6 +456,21 @@ _sdpa, _gelu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functi
 
 def _detached(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.detach()
+
+
+def _plain(m: nn.Module) -> Callable[..., Tensor] | None:
+    """A plain layer's product into a buffer, ``f(x, out=y)``, by the kernel ``F.linear`` runs
+    (``addmm`` with a bias, ``mm`` without); None for a packed layer."""
+    if isinstance(m, PackedLinear):
+        return None
+    wt = m.weight.detach().t()
+    if m.bias is None:
+        return lambda x, out: torch.mm(x, wt, out=out)
+    return functools.partial(_addmm_out, m.bias.detach(), wt)
+
+
+def _addmm_out(bias: Tensor, wt: Tensor, x: Tensor, out: Tensor) -> Tensor:
+    return torch.addmm(bias, x, wt, out=out)
 
 
 def _product(m: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -319,7 +523,12 @@ def native_decode(model: nn.Module, cache: Any,
     module = None if _OFF[0] else _module()
     if module is not None:
         _LAST[0] = None
-        decoder = module.Decoder(*_tensors(model, cache))
+        tensors, ints, eps = _tensors(model, cache, _own(module, model))
+        decoder = module.Decoder(tensors, ints, eps)
+        kinds = ints[3::4]
+        n_own = sum(k == 3 for k in kinds)
+        _PRODUCTS[0] = (f"own product for {n_own} of {len(kinds)} linear layers, "
+                        f"{'fused' if decoder.fused else 'PyTorch operations'} step")
     else:
         _LAST[0] = "turned off (gptlab.fast.native.disabled)" if _OFF[0] else NOT_BUILT
         if not _OFF[0]:

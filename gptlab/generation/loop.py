@@ -171,8 +171,9 @@ def _steps(
         if done is not None:
             nxt = nxt.masked_fill(done, pad)
             done = done | torch.isin(nxt, eos)
-        out[:, cur : cur + 1] = nxt
-        yield out[:, cur : cur + 1]
+        slot = out.narrow(1, cur, 1)  # out[:, cur : cur + 1], cheaper to make and to fill
+        slot.copy_(nxt)
+        yield slot
         if done is not None and bool(done.all()):
             return
 
@@ -264,7 +265,8 @@ def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: Gene
               blocks over the cores, in the layers where that is faster on this machine
               (:mod:`gptlab.fast.cpu`: the same products, summed in another order), and
               batch-1 one-token steps in C++ where ``python -m gptlab build-native`` built that
-              step (:mod:`gptlab.fast.native`: the same operations, the same numbers); ``False``
+              step (:mod:`gptlab.fast.native`: the same operations, the same numbers, or, where its own
+              product is faster on this machine, the same numbers up to float rounding); ``False``
               runs the model's own ``nn.Linear`` layers.
             * compile: run the decode steps through ``torch.compile`` (the GPU's fast path,
               :mod:`gptlab.fast.compiled`); the first call compiles.
