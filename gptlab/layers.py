@@ -92,6 +92,36 @@ class LayerNorm(nn.Module):
         return torch.layer_norm(x, self.normalized_shape, params["weight"], params.get("bias"), self.eps)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """:func:`rms_norm` (float32) with a backward written out, for training (:class:`RMSNorm`).
+
+    Forward ``xhat = x * r``, ``r = 1 / sqrt(mean(x^2) + eps)``, output ``xhat * weight``; it keeps
+    ``xhat`` and ``r``. Backward, with ``gw = g * weight``: ``dx = r * (gw - xhat * mean(gw * xhat))``
+    and ``dweight = sum(g * xhat)`` over every position. PyTorch's own CPU backward of
+    ``F.rms_norm`` differentiates the formula op by op (pow, mean, rsqrt, two products), about half
+    as fast again; the numbers are the same up to float rounding (``tests/test_layers.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        r = torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True).add_(eps))
+        xhat = x * r
+        ctx.save_for_backward(xhat, r, weight)
+        return xhat * weight
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        xhat, r, weight = ctx.saved_tensors
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            gw = g * weight
+            dot = torch.mean(gw * xhat, dim=-1, keepdim=True)
+            dx = torch.addcmul(gw, xhat, dot, value=-1.0).mul_(r)
+        if ctx.needs_input_grad[1]:
+            dw = (g * xhat).sum(dim=tuple(range(g.dim() - 1)))
+        return dx, dw, None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Llama): :func:`rms_norm`, computed in float32 for low-precision inputs."""
 
@@ -102,7 +132,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # the same formula in one fused kernel (its backward too): ~25% faster CPU training
+            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+                # training: the same formula with a backward of its own (_RMSNormFunction)
+                return _RMSNormFunction.apply(x, self.weight, self.eps)
+            # the same formula in PyTorch's kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
