@@ -162,6 +162,46 @@ class MLP(nn.Module):
         return F.dropout(y, self.dropout) if self.training and self.dropout > 0.0 else y
 
 
+class _SwiGLUFunction(torch.autograd.Function):
+    """:class:`SwiGLU` without biases, ``c_proj(silu(x W_gate^T) * (x W_up^T))``, with a backward
+    of its own, for training on a CPU. ``W`` is ``c_fc.weight`` (gate rows, then up rows), ``P``
+    ``c_proj.weight``. The gate and the up projection are two products (each output contiguous),
+    and the backward writes the two halves of ``W``'s gradient in place: autograd's backward of
+    ``chunk`` would copy both activation gradients into one tensor of twice their size first.
+    The numbers are the module's up to float rounding (``tests/test_layers.py``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, p: Tensor) -> Tensor:
+        inner = p.shape[1]
+        x2 = x.reshape(-1, x.shape[-1])
+        gate = x2 @ w[:inner].t()
+        up = x2 @ w[inner:].t()
+        act = F.silu(gate)
+        h = act * up
+        ctx.save_for_backward(x2, w, p, gate, up, act, h)
+        return (h @ p.t()).view(*x.shape[:-1], p.shape[0])
+
+    @staticmethod
+    def backward(ctx, g: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x2, w, p, gate, up, act, h = ctx.saved_tensors
+        inner = p.shape[1]
+        g2 = g.reshape(-1, g.shape[-1])
+        dp = g2.t() @ h if ctx.needs_input_grad[2] else None
+        dh = g2 @ p
+        d_up = dh * act
+        d_gate = torch.ops.aten.silu_backward(dh * up, gate)
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = torch.empty_like(w)
+            torch.mm(d_gate.t(), x2, out=dw[:inner])
+            torch.mm(d_up.t(), x2, out=dw[inner:])
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (d_gate @ w[:inner]).addmm_(d_up, w[inner:]).view(*g.shape[:-1], w.shape[1])
+        return dx, dw, dp
+
+
 class SwiGLU(nn.Module):
     """Llama's feed-forward: ``c_proj(silu(x W_gate) * (x W_up))``; gate and up fused in ``c_fc``
     (its first half is the gate, its second half the up projection). x (B, T, C) -> (B, T, C)."""
@@ -173,5 +213,13 @@ class SwiGLU(nn.Module):
         self.dropout = config.dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.c_fc(x).chunk(2, dim=-1)
-        return _dropout(self.c_proj(F.silu(gate) * up), self.dropout, self.training)
+        w, p = self.c_fc.weight, self.c_proj.weight
+        if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad)
+                and self.c_fc.bias is None and self.c_proj.bias is None and x.dtype == w.dtype == p.dtype
+                and x.device.type == "cpu"):
+            # training on a CPU: the same formula with a backward of its own (_SwiGLUFunction)
+            y = _SwiGLUFunction.apply(x, w, p)
+        else:
+            gate, up = self.c_fc(x).chunk(2, dim=-1)
+            y = self.c_proj(F.silu(gate) * up)
+        return _dropout(y, self.dropout, self.training)

@@ -194,9 +194,10 @@ def test_rope_training_paths_equal_apply_rope():
 
 def test_rope_model_training_gradients_equal_the_written_out_path(monkeypatch):
     """A RoPE + RMSNorm model's loss and gradients through the training paths equal those of the
-    written-out formulas (apply_rope, F.rms_norm), up to float rounding."""
+    written-out formulas (apply_rope, F.rms_norm, SwiGLU's chunk), up to float rounding."""
     import gptlab.attention as attention_module
     from gptlab import GPT, GPTConfig
+    from gptlab.layers import SwiGLU
 
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, bias=False,
@@ -208,8 +209,41 @@ def test_rope_model_training_gradients_equal_the_written_out_path(monkeypatch):
     monkeypatch.setattr(attention_module, "rope_qkv_train", lambda *a: None)
     monkeypatch.setattr(attention_module, "apply_rope_train", apply_rope)
     monkeypatch.setattr(RMSNorm, "forward", lambda self, t: F.rms_norm(t, self.weight.shape, self.weight, self.eps))
+
+    def swiglu(self, t):
+        gate, up = self.c_fc(t).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+    monkeypatch.setattr(SwiGLU, "forward", swiglu)
     _, loss_ref = model(x, y)
     grads_ref = torch.autograd.grad(loss_ref, list(model.parameters()))
     torch.testing.assert_close(loss, loss_ref)
     for a, b in zip(grads, grads_ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_swiglu_training_path_equals_the_module_formula():
+    """SwiGLU with gradients on a CPU runs its own backward (layers._SwiGLUFunction): output and
+    gradients (input, c_fc, c_proj) equal those of c_proj(silu(gate) * up), up to float rounding."""
+    from gptlab import GPTConfig
+    from gptlab.layers import SwiGLU
+
+    torch.manual_seed(0)
+    m = SwiGLU(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, bias=False, mlp="swiglu"))
+    x = _randn(3, 5, 16).requires_grad_()
+    g = _randn(3, 5, 16)
+    y = m(x)
+    assert type(y.grad_fn).__name__ == "_SwiGLUFunctionBackward"
+    params = (x, m.c_fc.weight, m.c_proj.weight)
+    got = torch.autograd.grad(y, params, g)
+    gate, up = F.linear(x, m.c_fc.weight).chunk(2, dim=-1)
+    y_ref = F.linear(F.silu(gate) * up, m.c_proj.weight)
+    want = torch.autograd.grad(y_ref, params, g)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # frozen weights: only the input's gradient
+    m.requires_grad_(False)
+    (dx,) = torch.autograd.grad(m(x), (x,), g)
+    torch.testing.assert_close(dx, want[0])
+    with torch.no_grad():
+        assert torch.equal(m(x), y_ref)
