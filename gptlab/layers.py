@@ -166,8 +166,8 @@ class _SwiGLUFunction(torch.autograd.Function):
     """:class:`SwiGLU` without biases, ``c_proj(silu(x W_gate^T) * (x W_up^T))``, with a backward
     of its own, for training on a CPU. ``W`` is ``c_fc.weight`` (gate rows, then up rows), ``P``
     ``c_proj.weight``. The gate and the up projection are two products (each output contiguous),
-    and the backward writes the two halves of ``W``'s gradient in place: autograd's backward of
-    ``chunk`` would copy both activation gradients into one tensor of twice their size first.
+    and the backward never joins the two activation gradients (autograd's backward of ``chunk``
+    copies both into one tensor of twice their size), only the two halves of ``W``'s small gradient.
     The numbers are the module's up to float rounding (``tests/test_layers.py``).
     """
 
@@ -191,14 +191,10 @@ class _SwiGLUFunction(torch.autograd.Function):
         dh = g2 @ p
         d_up = dh * act
         d_gate = torch.ops.aten.silu_backward(dh * up, gate)
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = torch.empty_like(w)
-            torch.mm(d_gate.t(), x2, out=dw[:inner])
-            torch.mm(d_up.t(), x2, out=dw[inner:])
+        dw = torch.cat([d_gate.t() @ x2, d_up.t() @ x2]) if ctx.needs_input_grad[1] else None  # (2 inner, C): small
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = (d_gate @ w[:inner]).addmm_(d_up, w[inner:]).view(*g.shape[:-1], w.shape[1])
+            dx = torch.addmm(d_gate @ w[:inner], d_up, w[inner:]).view(*g.shape[:-1], w.shape[1])
         return dx, dw, dp
 
 
