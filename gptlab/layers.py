@@ -93,7 +93,7 @@ class LayerNorm(nn.Module):
 
 
 class _RMSNormFunction(torch.autograd.Function):
-    """:func:`rms_norm` (float32) with a backward written out, for training (:class:`RMSNorm`).
+    """:func:`rms_norm` (float32) with a backward written out, for training on a CPU (:class:`RMSNorm`).
 
     Forward ``xhat = x * r``, ``r = 1 / sqrt(mean(x^2) + eps)``, output ``xhat * weight``; it keeps
     ``xhat`` and ``r``. Backward, with ``gw = g * weight``: ``dx = r * (gw - xhat * mean(gw * xhat))``
@@ -132,8 +132,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-                # training: the same formula with a backward of its own (_RMSNormFunction)
+            if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) and x.device.type == "cpu"
+                    and not torch.is_autocast_enabled("cpu")):
+                # CPU training: the same formula with a backward of its own (_RMSNormFunction)
                 return _RMSNormFunction.apply(x, self.weight, self.eps)
             # the same formula in PyTorch's kernel
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -212,7 +213,7 @@ class SwiGLU(nn.Module):
         w, p = self.c_fc.weight, self.c_proj.weight
         if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad)
                 and self.c_fc.bias is None and self.c_proj.bias is None and x.dtype == w.dtype == p.dtype
-                and x.device.type == "cpu"):
+                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
             # training on a CPU: the same formula with a backward of its own (_SwiGLUFunction)
             y = _SwiGLUFunction.apply(x, w, p)
         else:
