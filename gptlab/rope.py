@@ -45,40 +45,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class _RopeRotation(torch.autograd.Function):
     """:func:`apply_rope` with a backward of its own, for training (:func:`apply_rope_train`).
 
-    The two halves are updated in place (``x * cos``, then ``-x2 * sin`` added to the first half
-    and ``x1 * sin`` to the second), so neither the forward nor the backward builds the rotated
-    copy ``[-x2, x1]``; the backward is the transposed rotation: ``g * cos``, plus ``g2 * sin`` in
-    the first half and ``-g1 * sin`` in the second. ``sin``'s two halves are equal (:func:`rope_cache`).
+    The two halves are updated in place (``x * cos``, then ``-x2 * sin1`` added to the first half
+    and ``x1 * sin2`` to the second, ``sin = [sin1, sin2]``), so neither the forward nor the backward
+    builds the rotated copy ``[-x2, x1]``; the backward is the transposed rotation: ``g * cos``, plus
+    ``g2 * sin2`` in the first half and ``-g1 * sin1`` in the second.
     """
 
     @staticmethod
     def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x.shape[-1] // 2
-        s = sin[..., :h]
-        out = x * cos
-        out[..., :h].addcmul_(x[..., h:], s, value=-1.0)
-        out[..., h:].addcmul_(x[..., :h], s)
         ctx.save_for_backward(cos, sin)
-        return out
+        return _rotate_into(torch.empty_like(x), x, cos, sin, 1.0)
 
     @staticmethod
     def backward(ctx, g: Tensor) -> tuple[Tensor, None, None]:
         cos, sin = ctx.saved_tensors
-        h = g.shape[-1] // 2
-        s = sin[..., :h]
-        dx = g * cos
-        dx[..., :h].addcmul_(g[..., h:], s)
-        dx[..., h:].addcmul_(g[..., :h], s, value=-1.0)
-        return dx, None, None
+        return _rotate_into(torch.empty_like(g), g, cos, sin, -1.0), None, None
 
 
 def apply_rope_train(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """:func:`apply_rope` (the same numbers up to float rounding), faster to train through.
 
-    Where ``x`` needs a gradient and the tables do not (a model's own tables, from
-    :func:`rope_cache`: both halves of ``sin`` equal), it runs a fused rotation with its own
-    backward (about half the elementwise passes of the written-out formula's forward and
-    backward); anywhere else (inference, tables that need gradients) it is :func:`apply_rope`,
+    Where ``x`` needs a gradient and the tables do not (a model's own tables), it runs a fused
+    rotation with its own backward (about half the elementwise passes of the written-out
+    formula's forward and backward); anywhere else (inference, tables that need gradients) it is :func:`apply_rope`,
     to the last bit.
     """
     if (torch.is_grad_enabled() and x.requires_grad and not cos.requires_grad and not sin.requires_grad
@@ -88,13 +77,17 @@ def apply_rope_train(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
-    """``out = x * cos + sign * rotate_half(x) * sin`` written into ``out`` (any strides): sign 1 is
-    :func:`apply_rope`'s rotation, -1 its transpose (the backward). ``sin``'s halves are equal."""
+    """Into ``out`` (any strides), with ``x = [x1, x2]`` and ``sin = [sin1, sin2]`` in halves: sign 1
+    writes :func:`apply_rope`'s rotation ``[x1 cos1 - x2 sin1, x2 cos2 + x1 sin2]``, sign -1 its
+    transpose ``[x1 cos1 + x2 sin2, x2 cos2 - x1 sin1]`` (the backward)."""
     h = x.shape[-1] // 2
-    s = sin[..., :h]
     torch.mul(x, cos, out=out)
-    out[..., :h].addcmul_(x[..., h:], s, value=-sign)
-    out[..., h:].addcmul_(x[..., :h], s, value=sign)
+    if sign > 0:
+        out[..., :h].addcmul_(x[..., h:], sin[..., :h], value=-1.0)
+        out[..., h:].addcmul_(x[..., :h], sin[..., h:])
+    else:
+        out[..., :h].addcmul_(x[..., h:], sin[..., h:])
+        out[..., h:].addcmul_(x[..., :h], sin[..., :h], value=-1.0)
     return out
 
 

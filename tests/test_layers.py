@@ -190,6 +190,17 @@ def test_rope_training_paths_equal_apply_rope():
     torch.testing.assert_close(got_qk, want_qk)
     with torch.no_grad():
         assert rope_qkv_train(qkv, cos, sin, nq, nkv) is None
+    # any tables, not only rope_cache's (whose two halves are equal): the formula is apply_rope's
+    cos_any, sin_any = _randn(10, 8), _randn(10, 8)
+    q, k, v = rope_qkv_train(qkv, cos_any, sin_any, nq, nkv)
+    y = apply_rope_train(x, cos_any, sin_any)
+    q_ref, k_ref = apply_rope(heads[:, :nq], cos_any, sin_any), apply_rope(heads[:, nq:nq + nkv], cos_any, sin_any)
+    y_ref = apply_rope(x, cos_any, sin_any)
+    for a, b in ((q, q_ref), (k, k_ref), (y, y_ref)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.autograd.grad((q, k), qkv, gs[:2])[0],
+                               torch.autograd.grad((q_ref, k_ref), qkv, gs[:2], retain_graph=True)[0])
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x, g)[0])
 
 
 def test_rope_model_training_gradients_equal_the_written_out_path(monkeypatch):
