@@ -259,7 +259,8 @@ RECIPES: dict[str, TrainConfig] = {
     # the last bit from one process to the next on a CPU: threaded reductions); the same blocks in 470
     # or 480 steps end at 1.885-1.886, no margin. With the CPU training paths of issue 34 (RoPE, RMSNorm
     # and SwiGLU backwards of their own, the allocator setting: the same numbers up to float rounding),
-    # seed 1337 ends at 1.8607-1.8642 in 13.2-13.5 s against nanoGPT's 58.4-62.1 s (4.4-4.7x).
+    # seed 1337 ends at 1.8607-1.8642 in 13.2-13.5 s against nanoGPT's 58.4-62.1 s (4.4-4.7x); seeds 1
+    # and 2 at 1.8667 and 1.8637 (13.5 and 13.7 s).
     "shakespeare-char-cpu": TrainConfig(
         model=GPTConfig(n_layer=2, n_head=3, n_embd=96, block_size=128, dropout=0.0, bias=False,
                         pos_emb="rope", norm="rmsnorm", mlp="swiglu"),
