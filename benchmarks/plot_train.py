@@ -15,11 +15,13 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-RUNS = [  # (file, label, pair): two back-to-back pairs, each recipe run compared with its own pair's nanoGPT run
+RUNS = [  # (file, label, pair): back-to-back pairs in the order they ran; each recipe run against its own pair's nanoGPT
     ("nanogpt_cpu.json", "nanoGPT's CPU command, pair 1\n(its own train.py)", 1),
     ("train_shakespeare-char-cpu.json", "gptlab shakespeare-char-cpu, pair 1\n(the README's and chapter 5b's recipe)", 1),
     ("train_shakespeare-char-cpu_pair2.json", "gptlab shakespeare-char-cpu, pair 2", 2),
     ("nanogpt_cpu_pair2.json", "nanoGPT's CPU command, pair 2", 2),
+    ("train_shakespeare-char-cpu_pair3.json", "gptlab shakespeare-char-cpu, pair 3", 3),
+    ("nanogpt_cpu_pair3.json", "nanoGPT's CPU command, pair 3", 3),
 ]
 
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import slot_mask
-from .rope import apply_rope
+from .rope import apply_rope_train, rope_qkv_train
 
 if TYPE_CHECKING:
     from .kvcache import KVCache
@@ -154,14 +154,16 @@ class CausalSelfAttention(nn.Module):
             # one token (a decode step): (B, 1, 3, nh, hd) and (B, 3, nh, 1, hd) are the same memory,
             # so one view and one unbind give q, k, v (B, nh, 1, hd) (the general case's five views)
             q, k, v = qkv.view(B, 3, nh, 1, hd).unbind(1)
+        elif rope is not None and kv_cache is None and (fast := rope_qkv_train(qkv, *rope, nh, nkv)) is not None:
+            q, k, v = fast  # training: the same heads, with a backward that writes qkv's gradient at once
         else:
             heads = qkv.view(B, T, nh + 2 * nkv, hd).transpose(1, 2)
+            # split, not narrow: in training, split's backward writes each gradient once into one
+            # tensor, where each narrow's would fill a zero tensor of all the heads, then add them up
+            qk, v = heads.split((nh + nkv, nkv), dim=1)
             if rope is not None:  # rotate the query and key heads in one go
-                qk = apply_rope(heads.narrow(1, 0, nh + nkv), *rope)
-                q, k = qk.narrow(1, 0, nh), qk.narrow(1, nh, nkv)
-            else:
-                q, k = heads.narrow(1, 0, nh), heads.narrow(1, nh, nkv)
-            v = heads.narrow(1, nh + nkv, nkv)
+                qk = apply_rope_train(qk, *rope)
+            q, k = qk.split((nh, nkv), dim=1)
         # 3. the cache: append, then read back every key the new queries may see
         if kv_cache is not None:
             k, v, first = kv_cache.update(self.layer_idx, k, v)  # (B, nkv, S, hd), S from slot `first`

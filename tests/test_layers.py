@@ -120,3 +120,141 @@ def test_attention_module_equals_its_formula():
     q, k, v = attn.c_attn(x).split(16, dim=-1)
     y = attention(split_heads(q, 2), split_heads(k, 2), split_heads(v, 2), causal_mask(6))
     torch.testing.assert_close(attn(x), attn.c_proj(merge_heads(y)))
+
+
+# ---- the training paths: the same numbers as the written-out formulas, forward and backward
+
+
+def test_rms_norm_training_path_equals_torch():
+    """RMSNorm with gradients runs its own backward (layers._RMSNormFunction): the output and the
+    gradients of x and the gain equal those of F.rms_norm's, up to float rounding; without
+    gradients it is F.rms_norm itself, to the last bit."""
+    m = RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        m.weight.copy_(_randn(16))
+    x = (_randn(3, 5, 16) * 3).requires_grad_()
+    g = _randn(3, 5, 16)
+    y = m(x)
+    assert type(y.grad_fn).__name__ == "_RMSNormFunctionBackward"  # the training path ran
+    dx, dw = torch.autograd.grad(y, (x, m.weight), g)
+    y_ref = F.rms_norm(x, (16,), m.weight, 1e-6)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, m.weight), g)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(dw, dw_ref)
+    # only the input needs a gradient (a frozen gain), or only the gain
+    m.weight.requires_grad_(False)
+    (dx_only,) = torch.autograd.grad(m(x), (x,), g)
+    torch.testing.assert_close(dx_only, dx_ref)
+    m.weight.requires_grad_(True)
+    (dw_only,) = torch.autograd.grad(m(x.detach()), (m.weight,), g)
+    torch.testing.assert_close(dw_only, dw_ref)
+    with torch.no_grad():
+        assert torch.equal(m(x), F.rms_norm(x, (16,), m.weight, 1e-6))
+
+
+def test_rope_training_paths_equal_apply_rope():
+    """apply_rope_train and rope_qkv_train (the attention's training path) give apply_rope's
+    rotation and its gradient, up to float rounding; where no gradient is needed they step aside."""
+    from gptlab.rope import apply_rope_train, rope_qkv_train
+
+    cos, sin = rope_cache(10, 8)
+    x = _randn(2, 3, 10, 8).requires_grad_()
+    g = _randn(2, 3, 10, 8)
+    y = apply_rope_train(x, cos, sin)
+    assert type(y.grad_fn).__name__ == "_RopeRotationBackward"
+    y_ref = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x, g)[0])
+    with torch.no_grad():
+        assert torch.equal(apply_rope_train(x, cos, sin), apply_rope(x, cos, sin))
+
+    # the fused projection: 3 query heads and 1 key/value head (grouped-query) of 8 numbers, T = 10
+    nq, nkv, d = 3, 1, 8
+    qkv = _randn(2, 10, (nq + 2 * nkv) * d).requires_grad_()
+    q, k, v = rope_qkv_train(qkv, cos, sin, nq, nkv)
+    heads = qkv.view(2, 10, nq + 2 * nkv, d).transpose(1, 2)
+    q_ref = apply_rope(heads[:, :nq], cos, sin)
+    k_ref = apply_rope(heads[:, nq:nq + nkv], cos, sin)
+    v_ref = heads[:, nq + nkv:]
+    for a, b in ((q, q_ref), (k, k_ref), (v, v_ref)):
+        torch.testing.assert_close(a, b)
+    gs = [_randn(*t.shape) for t in (q, k, v)]
+    got = torch.autograd.grad((q, k, v), qkv, gs)[0]
+    want = torch.autograd.grad((q_ref, k_ref, v_ref), qkv, gs, retain_graph=True)[0]
+    torch.testing.assert_close(got, want)
+    # a gradient reaching only some of the three (here v unused): the others count as zero
+    q, k, v = rope_qkv_train(qkv, cos, sin, nq, nkv)
+    got_qk = torch.autograd.grad((q * 2).sum() + k.sum(), qkv)[0]
+    want_qk = torch.autograd.grad((q_ref * 2).sum() + k_ref.sum(), qkv)[0]
+    torch.testing.assert_close(got_qk, want_qk)
+    with torch.no_grad():
+        assert rope_qkv_train(qkv, cos, sin, nq, nkv) is None
+    # any tables, not only rope_cache's (whose two halves are equal): the formula is apply_rope's
+    cos_any, sin_any = _randn(10, 8), _randn(10, 8)
+    q, k, v = rope_qkv_train(qkv, cos_any, sin_any, nq, nkv)
+    y = apply_rope_train(x, cos_any, sin_any)
+    q_ref, k_ref = apply_rope(heads[:, :nq], cos_any, sin_any), apply_rope(heads[:, nq:nq + nkv], cos_any, sin_any)
+    y_ref = apply_rope(x, cos_any, sin_any)
+    for a, b in ((q, q_ref), (k, k_ref), (y, y_ref)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(torch.autograd.grad((q, k), qkv, gs[:2])[0],
+                               torch.autograd.grad((q_ref, k_ref), qkv, gs[:2], retain_graph=True)[0])
+    torch.testing.assert_close(torch.autograd.grad(y, x, g)[0], torch.autograd.grad(y_ref, x, g)[0])
+
+
+def test_rope_model_training_gradients_equal_the_written_out_path(monkeypatch):
+    """A RoPE + RMSNorm model's loss and gradients through the training paths equal those of the
+    written-out formulas (apply_rope, F.rms_norm, SwiGLU's chunk), up to float rounding."""
+    import gptlab.attention as attention_module
+    from gptlab import GPT, GPTConfig
+    from gptlab.layers import SwiGLU
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, n_kv_head=1, n_embd=16, bias=False,
+                    pos_emb="rope", norm="rmsnorm", mlp="swiglu")
+    model = GPT(cfg)
+    x, y = torch.randint(0, 11, (3, 16), generator=G), torch.randint(0, 11, (3, 16), generator=G)
+    _, loss = model(x, y)
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    monkeypatch.setattr(attention_module, "rope_qkv_train", lambda *a: None)
+    monkeypatch.setattr(attention_module, "apply_rope_train", apply_rope)
+    monkeypatch.setattr(RMSNorm, "forward", lambda self, t: F.rms_norm(t, self.weight.shape, self.weight, self.eps))
+
+    def swiglu(self, t):
+        gate, up = self.c_fc(t).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+    monkeypatch.setattr(SwiGLU, "forward", swiglu)
+    _, loss_ref = model(x, y)
+    grads_ref = torch.autograd.grad(loss_ref, list(model.parameters()))
+    torch.testing.assert_close(loss, loss_ref)
+    for a, b in zip(grads, grads_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_swiglu_training_path_equals_the_module_formula():
+    """SwiGLU with gradients on a CPU runs its own backward (layers._SwiGLUFunction): output and
+    gradients (input, c_fc, c_proj) equal those of c_proj(silu(gate) * up), up to float rounding."""
+    from gptlab import GPTConfig
+    from gptlab.layers import SwiGLU
+
+    torch.manual_seed(0)
+    m = SwiGLU(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, bias=False, mlp="swiglu"))
+    x = _randn(3, 5, 16).requires_grad_()
+    g = _randn(3, 5, 16)
+    y = m(x)
+    assert type(y.grad_fn).__name__ == "_SwiGLUFunctionBackward"
+    params = (x, m.c_fc.weight, m.c_proj.weight)
+    got = torch.autograd.grad(y, params, g)
+    gate, up = F.linear(x, m.c_fc.weight).chunk(2, dim=-1)
+    y_ref = F.linear(F.silu(gate) * up, m.c_proj.weight)
+    want = torch.autograd.grad(y_ref, params, g)
+    torch.testing.assert_close(y, y_ref)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    # frozen weights: only the input's gradient
+    m.requires_grad_(False)
+    (dx,) = torch.autograd.grad(m(x), (x,), g)
+    torch.testing.assert_close(dx, want[0])
+    with torch.no_grad():
+        assert torch.equal(m(x), y_ref)

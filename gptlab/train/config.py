@@ -248,20 +248,25 @@ RECIPES: dict[str, TrainConfig] = {
     # blocks of 96, 3 heads of 32: a step ~10% faster than 4 heads of 24 on an Intel Xeon, for the same
     # FLOPs), context 128, batch 16, a 5x higher peak learning rate after a short warmup, 520 steps:
     # fewer FLOPs for the same loss (0.22x nanoGPT's CPU run's). Evaluations: at steps 0, 130, 260 and
-    # 390 on the first 16,384 validation tokens (one forward pass of 128 windows, ~0.1 s), and at step
-    # 520 on the whole validation split (111,488 tokens, ~1 s); the target is checked on that one only.
+    # 390 on the first 16,384 validation tokens (~0.06 s), and at step 520 on the whole validation
+    # split (111,488 tokens, ~0.4 s); the target is checked on that one only. 64 windows a forward
+    # pass: 128 took about twice as long over the whole split on an Intel Xeon (its 4 MB activations
+    # were mapped and unmapped by malloc at every pass; issue 34).
     # Float32 on a CPU (the trainer's "auto"): bfloat16 autocast was slower per step even on a CPU with
     # AMX (the casts cost more than the products save at these sizes), and torch.compile's seconds of
     # compiling are not won back in a run this short (benchmarks/results/README.md). Measured (whole
     # val split, Intel Xeon): 1.861-1.871, 1.873 and 1.865 with seeds 1337, 1 and 2 (not reproducible to
     # the last bit from one process to the next on a CPU: threaded reductions); the same blocks in 470
-    # or 480 steps end at 1.885-1.886, no margin.
+    # or 480 steps end at 1.885-1.886, no margin. With the CPU training paths of issue 34 (RoPE, RMSNorm
+    # and SwiGLU backwards of their own, the allocator setting: the same numbers up to float rounding),
+    # seed 1337 ends at 1.8607-1.8642 in 13.2-13.5 s against nanoGPT's 58.4-62.1 s (4.4-4.7x); seeds 1
+    # and 2 at 1.8667 and 1.8637 (13.5 and 13.7 s).
     "shakespeare-char-cpu": TrainConfig(
         model=GPTConfig(n_layer=2, n_head=3, n_embd=96, block_size=128, dropout=0.0, bias=False,
                         pos_emb="rope", norm="rmsnorm", mlp="swiglu"),
         batch_size=16, grad_accum=1, max_steps=520, lr=5e-3, min_lr=5e-4, warmup_steps=30,
         beta2=0.99, weight_decay=0.1, grad_clip=1.0, eval_interval=130, eval_tokens=16384,
-        eval_batch_size=128, final_eval_whole_split=True,
+        eval_batch_size=64, final_eval_whole_split=True,
     ),
     # The baseline the CPU recipe is measured against: nanoGPT's own CPU command
     # (config/train_shakespeare_char.py with --device=cpu --compile=False --eval_iters=20

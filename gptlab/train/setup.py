@@ -6,7 +6,8 @@ processes (:class:`~gptlab.train.distributed.DistInfo`) and return what the loop
 
 * :func:`load_data`: the characters of the corpus, with errors that say what to do;
 * :func:`setup_device`: threads, the device (this rank's GPU under ``torchrun``), TF32 and the
-  dtype training computes in (:func:`gptlab.device.autocast_dtype`);
+  dtype training computes in (:func:`gptlab.device.autocast_dtype`); on a CPU under Linux, the
+  C allocator told to keep the activations' memory between steps (:func:`keep_cpu_memory`);
 * :func:`make_optimizer`: AdamW with weight decay on matrices only, fused on CUDA;
 * :func:`wrap_model`: the model as the steps run it (``torch.compile``, DDP);
 * on resume, :func:`load_to_resume` (the checkpoint's weights and optimiser state, its training
@@ -18,7 +19,9 @@ processes (:class:`~gptlab.train.distributed.DistInfo`) and return what the loop
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from .metrics import read_jsonl_torn
 from .run_folder import RunFolderError
 from .rng import set_rng_state
 
-__all__ = ["RESUME_FIELDS", "load_data", "setup_device", "make_optimizer", "wrap_model", "load_to_resume",
+__all__ = ["RESUME_FIELDS", "load_data", "setup_device", "keep_cpu_memory", "make_optimizer", "wrap_model", "load_to_resume",
            "check_resumable", "restore_streams", "rows_to_resume"]
 
 RESUME_FIELDS = ("batch_size", "grad_accum", "seed")
@@ -70,7 +73,42 @@ def setup_device(cfg: TrainConfig, dist: DistInfo) -> tuple[torch.device, torch.
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+    elif device.type == "cpu":
+        keep_cpu_memory()
     return device, dtype
+
+
+_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest allowed M_MMAP_THRESHOLD on 64-bit
+_TRIM_THRESHOLD = 256 * 1024 * 1024
+_kept_cpu_memory: bool | None = None
+
+
+def keep_cpu_memory() -> bool:
+    """On Linux with glibc, let freed tensor memory (blocks up to 32 MB, up to 256 MB in all) stay
+    in the process for the next step instead of going back to the system; once per process.
+    Returns whether the setting is in force.
+
+    PyTorch's CPU tensors come from ``malloc``. glibc serves a large block (128 kB at first) by
+    mapping fresh pages and unmaps it when freed, so every step's activations of a megabyte or
+    more were new pages again, each one a page fault that zeroes it: on a 2-core Intel Xeon the
+    CPU recipe took 1,600-2,300 faults a step and 8% longer (28.2 against 26.0 ms), and an
+    evaluation over the whole validation split in batches of 128 windows twice as long (issue 34).
+    ``mallopt`` raises the mapping threshold to 32 MB and the amount of free memory kept at the
+    top of the heap to 256 MB: the numbers computed are the same, the process just keeps up to
+    that much memory it has freed. Elsewhere (macOS, Windows, musl) nothing changes.
+    """
+    global _kept_cpu_memory
+    if _kept_cpu_memory is None:
+        _kept_cpu_memory = False
+        if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+            try:
+                libc = ctypes.CDLL(None)
+                m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's <malloc.h>
+                _kept_cpu_memory = bool(libc.mallopt(m_mmap_threshold, _MMAP_THRESHOLD)) and bool(
+                    libc.mallopt(m_trim_threshold, _TRIM_THRESHOLD))
+            except (OSError, AttributeError):
+                pass
+    return _kept_cpu_memory
 
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
