@@ -133,6 +133,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             if (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad) and x.device.type == "cpu"
+                    and not torch.compiler.is_compiling()
                     and not torch.is_autocast_enabled("cpu")):
                 # CPU training: the same formula with a backward of its own (_RMSNormFunction)
                 return _RMSNormFunction.apply(x, self.weight, self.eps)
@@ -213,7 +214,7 @@ class SwiGLU(nn.Module):
         w, p = self.c_fc.weight, self.c_proj.weight
         if (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or p.requires_grad)
                 and self.c_fc.bias is None and self.c_proj.bias is None and x.dtype == w.dtype == p.dtype
-                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu")):
+                and x.device.type == "cpu" and not torch.is_autocast_enabled("cpu") and not torch.compiler.is_compiling()):
             # training on a CPU: the same formula with a backward of its own (_SwiGLUFunction)
             y = _SwiGLUFunction.apply(x, w, p)
         else:

@@ -67,13 +67,20 @@ def apply_rope_train(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Where ``x`` needs a gradient and the tables do not (a model's own tables), it runs a fused
     rotation with its own backward (about half the elementwise passes of the written-out
-    formula's forward and backward); anywhere else (inference, tables that need gradients) it is :func:`apply_rope`,
-    to the last bit.
+    formula's forward and backward); anywhere else (inference, tables that need gradients, a GPU,
+    under ``torch.compile``, which fuses the formula itself) it is :func:`apply_rope`, to the last bit.
     """
     if (torch.is_grad_enabled() and x.requires_grad and not cos.requires_grad and not sin.requires_grad
-            and x.shape[-1] % 2 == 0 and x.is_floating_point() and x.dtype == cos.dtype == sin.dtype):
+            and _eager_cpu(x) and x.shape[-1] % 2 == 0 and x.is_floating_point() and x.dtype == cos.dtype == sin.dtype):
         return _RopeRotation.apply(x, cos, sin)
     return apply_rope(x, cos, sin)
+
+
+def _eager_cpu(x: Tensor) -> bool:
+    """The fast training paths' domain: eager CPU tensors. They were measured on CPUs only, and
+    ``torch.compile`` fuses the plain formula itself (it would break its graph at their ``out=``
+    writes into strided views)."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:
@@ -129,10 +136,11 @@ def rope_qkv_train(qkv: Tensor, cos: Tensor, sin: Tensor, n_q: int, n_kv: int) -
     projection ``qkv`` (B, T, (n_q + 2 n_kv) d), the heads q (B, n_q, T, d), k and v (B, n_kv, T, d),
     with q and k rotated by :func:`apply_rope` (the same numbers up to float rounding) and a
     backward that writes ``qkv``'s gradient in one pass. None where it does not apply (no
-    gradient needed, tables that need one, other dtypes): the caller then takes the general path.
+    gradient needed, tables that need one, other dtypes, a GPU, under ``torch.compile``): the
+    caller then takes the general path.
     """
     if not (torch.is_grad_enabled() and qkv.requires_grad and not cos.requires_grad and not sin.requires_grad
-            and qkv.is_contiguous() and qkv.dtype == cos.dtype == sin.dtype and qkv.is_floating_point()):
+            and _eager_cpu(qkv) and qkv.is_contiguous() and qkv.dtype == cos.dtype == sin.dtype and qkv.is_floating_point()):
         return None
     d = qkv.shape[-1] // (n_q + 2 * n_kv)
     if d % 2 or d * (n_q + 2 * n_kv) != qkv.shape[-1]:

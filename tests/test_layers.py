@@ -258,3 +258,17 @@ def test_swiglu_training_path_equals_the_module_formula():
     torch.testing.assert_close(dx, want[0])
     with torch.no_grad():
         assert torch.equal(m(x), y_ref)
+
+
+def test_cpu_training_paths_stay_out_of_torch_compile():
+    """The CPU training paths (RoPE, RMSNorm, SwiGLU backwards of their own) write into strided
+    views with ``out=``, which Dynamo cannot trace: under ``torch.compile`` (chapter 5b's GPU run)
+    the model must take the plain formulas, or each layer would break the compiled graph."""
+    from gptlab import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=32, dropout=0.0, bias=False,
+                          pos_emb="rope", norm="rmsnorm", mlp="swiglu"))
+    x, y = torch.randint(0, 65, (2, 16)), torch.randint(0, 65, (2, 16))
+    explained = torch._dynamo.explain(model)(x, y)
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
