@@ -48,27 +48,26 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
-import math
 import importlib.machinery
 import importlib.util
+import json
+import math
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-import torch.nn as nn
+from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
-from torch import Tensor
 
 from ..assets import cache_dir
-from ..files import atomic_write_json
 from ..attention import CausalSelfAttention
 from ..kvcache import StaticKVCache
 from ..layers import MLP, LayerNorm
@@ -76,8 +75,23 @@ from ..model import GPT, Block
 from . import cpu
 from .cpu import PackedLinear
 
-__all__ = ["build", "is_built", "build_dir", "why_not", "native_decode", "disabled", "last_use", "last_products",
-           "hint", "PythonDecoder", "NativeBuildError", "products_plan", "time_products", "ProductTiming", "matvec"]
+__all__ = [
+    "NativeBuildError",
+    "ProductTiming",
+    "PythonDecoder",
+    "build",
+    "build_dir",
+    "disabled",
+    "hint",
+    "is_built",
+    "last_products",
+    "last_use",
+    "matvec",
+    "native_decode",
+    "products_plan",
+    "time_products",
+    "why_not",
+]
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
 
@@ -290,20 +304,9 @@ def _read_products(path: Path, key: str) -> dict[str, ProductTiming]:
 
 
 def _save_products(path: Path, key: str, timings: dict[str, ProductTiming]) -> None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(data, dict) or not isinstance(data.get("machines"), dict):
-            raise ValueError
-    except (OSError, ValueError):
-        data = {"version": 1, "machines": {}}
-    entry = data["machines"].get(key)
-    entry = data["machines"][key] = entry if isinstance(entry, dict) else {}
-    entry.update({shape: asdict(t) for shape, t in timings.items()})
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, data)
-    except OSError:
-        pass
+    """Merge ``timings`` into the file, atomically, as the packed products' calibration does
+    (:mod:`gptlab.fast.cpu`); a cache that cannot be written is no error."""
+    cpu._save(path, key, timings)
 
 
 def time_products(module: Any, layers: list[nn.Linear], rounds: int = 7) -> dict[str, ProductTiming]:
