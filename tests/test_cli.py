@@ -91,3 +91,29 @@ def test_bench_train_into_a_run_folder_is_one_line(tmp_path, capsys):
     assert code == 2, (out, err)
     assert "already holds a training run" in out + err and "Traceback" not in out + err
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_bench_train_into_a_folder_a_live_run_holds_is_one_line_on_stderr(tmp_path, capsys):
+    """`bench train --out DIR` while another live process holds DIR's lock: refused (exit 2) in one
+    line on stderr with the prefix every command's errors have (it was printed on stdout, prefixed
+    `gptlab bench train:`)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from gptlab.train import LOCK_FILE
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": other.pid, "host": socket.gethostname(), "since": "now"}))
+        code = main(["bench", "train", "--recipe", "tiny", "--max-steps", "2", "--out", str(tmp_path)])
+    finally:
+        other.kill()
+        other.wait()
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    assert "error" not in out and "Traceback" not in out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("python -m gptlab bench train: error: "), err
+    assert f"pid {other.pid}" in lines[0]

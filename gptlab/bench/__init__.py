@@ -9,13 +9,20 @@ Each benchmark is a module of this package exposing ``run(args)``; its arguments
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 from ..device import cpu_model
 from ..fast import native
 
-__all__ = ["machine_name", "cpu_settings", "native_build"]
+__all__ = ["machine_name", "cpu_settings", "native_build", "error"]
+
+
+def error(bench: str, message: str) -> None:
+    """Say on stderr, in one line and with the prefix every command's errors have
+    (``python -m gptlab bench NAME: error: ...``), why the benchmark ``bench`` stops."""
+    print(f"python -m gptlab bench {bench}: error: {message}", file=sys.stderr)
 
 
 def cpu_settings() -> dict:

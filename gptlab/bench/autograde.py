@@ -43,7 +43,7 @@ from ..course import Course, CourseError, release
 from ..course.autograde import autograde
 from ..device import cpu_model
 from ..files import atomic_write_text
-from . import machine_name
+from . import error, machine_name
 
 __all__ = ["run", "copy_course", "solved_notebook", "released_copy"]
 
@@ -127,7 +127,7 @@ def _timed(course, names: list[str], students: list[str], label: str, worker_cou
         cpu = _cpu_seconds() - cpu0
         got = sorted((r["assignment"], r["student"], r["total"]) for r in res)
         if scores is not None and got != scores:
-            print(f"gptlab bench autograde: error: {w} workers gave other scores than {worker_counts[0]}")
+            error("autograde", f"{w} workers gave other scores than {worker_counts[0]}")
             return
         scores = got
         _note_times(res, cells)
@@ -191,7 +191,7 @@ def _class_runs(args, course_dir: Path, assignments: list[str], n_students: int,
     in_class = [a for a in args.class_assignments.split(",") if a.strip()] or assignments
     unknown = [a for a in in_class if a not in assignments]
     if unknown:
-        print(f"gptlab bench autograde: error: unknown assignment(s) {', '.join(unknown)}")
+        error("autograde", f"unknown assignment(s) {', '.join(unknown)}")
         return 2
     fig["class_assignments"] = in_class
     students = [f"student{k:02d}" for k in range(n_students)]
@@ -225,7 +225,7 @@ def _sandbox_cost(course, assignments: list[str], repeats: int, timeout: int | N
             times[sandbox].append(time.perf_counter() - t0)
             got = sorted((r["assignment"], r["total"]) for r in res)
             if scores.setdefault(sandbox, got) != got or scores.get(not sandbox, got) != got:
-                print("gptlab bench autograde: error: the sandbox changed the scores: "
+                error("autograde", "the sandbox changed the scores: "
                       f"{scores.get(True)} against {scores.get(False)}")
                 return False
             print(f"one full submission, {'with' if sandbox else 'without'} the sandbox: {times[sandbox][-1]:.1f} s")
@@ -257,13 +257,13 @@ def _report_test_cells(fig: dict, cells: dict[str, float], src: Path) -> None:
 def run(args) -> int:
     src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
     if not (src / "nbgrader_config.py").is_file() or not (src / "solutions").is_dir():
-        print(f"gptlab bench autograde: error: {src} has no nbgrader_config.py and solutions/ (pass --course)")
+        error("autograde", f"{src} has no nbgrader_config.py and solutions/ (pass --course)")
         return 2
     n_students = 4 if args.quick else args.students
     try:
         worker_counts = [int(w) for w in args.workers.split(",") if w.strip()]
     except ValueError:
-        print(f"gptlab bench autograde: error: --workers must be comma-separated integers, got {args.workers!r}")
+        error("autograde", f"--workers must be comma-separated integers, got {args.workers!r}")
         return 2
     load_before = os.getloadavg()
     fig: dict = {"benchmark": "autograde", "machine": machine_name(), "cpu_model": cpu_model(),
@@ -276,7 +276,7 @@ def run(args) -> int:
         try:
             course, assignments = released_copy(src, Path(tmp))
         except CourseError as e:
-            print(f"gptlab bench autograde: error: {e}")
+            error("autograde", str(e))
             return 2
         course_dir = course.root
         fig["assignments"] = assignments

@@ -33,7 +33,7 @@ from ..course import CourseError
 from ..course.autograde import autograde
 from ..device import cpu_model
 from ..files import atomic_write_text
-from . import machine_name
+from . import error, machine_name
 from .autograde import released_copy, solved_notebook
 
 __all__ = ["run"]
@@ -106,7 +106,7 @@ def _plot(jobs: list[dict], path: Path, title: str) -> None:
 def run(args) -> int:
     src = Path(args.course) if args.course else Path(__file__).resolve().parents[2]
     if not (src / "nbgrader_config.py").is_file() or not (src / "solutions").is_dir():
-        print(f"gptlab bench class: error: {src} has no nbgrader_config.py and solutions/ (pass --course)")
+        error("class", f"{src} has no nbgrader_config.py and solutions/ (pass --course)")
         return 2
     fig: dict = {"benchmark": "class", "machine": machine_name(), "cpu_model": cpu_model(),
                  "cpu_count": os.cpu_count(), "torch": torch.__version__, "students": args.students,
@@ -115,7 +115,7 @@ def run(args) -> int:
         try:
             course, assignments = released_copy(src, Path(tmp))
         except CourseError as e:
-            print(f"gptlab bench class: error: {e}")
+            error("class", str(e))
             return 2
         course_dir = course.root
         students = [f"student{k:03d}" for k in range(args.students)]

@@ -34,7 +34,7 @@ import torch
 from ..files import LockError, atomic_write_text
 from ..data import get_batch
 from ..train import RunFolderError, Trainer, get_recipe, train
-from . import machine_name
+from . import error, machine_name
 
 __all__ = ["run", "peak_flops", "measure_cpu_matmul_flops", "DEFAULT_TARGETS"]
 
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = get_recipe(args.recipe, **_recipe_overrides(args, target))
     except (ValueError, TypeError) as e:
-        print(f"gptlab bench train: error: {e}")
+        error("train", str(e))
         return 2
     with tempfile.TemporaryDirectory(prefix="gptlab-bench-") as tmp:
         out = Path(args.out) if args.out else Path(tmp)
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             summary = train(cfg, out)
         except (RunFolderError, LockError) as e:  # --out names a folder that holds a run, or a live one
-            print(f"gptlab bench train: error: {e}")
+            error("train", str(e))
             return 2
         wall = time.perf_counter() - t0
         from_start = process_age_s()  # the same run's end, counted from the process's start
