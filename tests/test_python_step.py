@@ -17,7 +17,7 @@ from gptlab.cli import main
 from gptlab.fast import cpu, native
 from gptlab.fast.cpu import pack_for_decoding
 from gptlab.kvcache import StaticKVCache
-from tiny_models import tiny_gpt
+from tiny_models import LLAMA, tiny_gpt
 
 from conftest import REPO_ROOT
 
@@ -134,3 +134,112 @@ def test_openmp_only_with_gcc(version, flags, monkeypatch):
         flags = []
     monkeypatch.setattr(native.subprocess, "run", lambda *a, **k: types.SimpleNamespace(stdout=version))
     assert native._openmp_flags("c++") == flags
+
+
+# --------------------------------------------------------------------------- Llama-style blocks
+
+LLAMA_CONFIGS = {
+    "llama_gqa": {**LLAMA},
+    "llama_full_heads": {**LLAMA, "n_kv_head": 4},
+    "llama_mqa_bias": {**LLAMA, "n_kv_head": 1, "bias": True, "tie_weights": True},
+    "llama_head_dim_6": {**LLAMA, "n_embd": 36, "head_dim_override": 6, "norm_eps": 1e-6},
+    "llama_head_dim_10": {**LLAMA, "n_head": 6, "n_kv_head": 3, "n_embd": 60, "n_inner": 88},
+    "rope": dict(pos_emb="rope"),
+    "rmsnorm": dict(norm="rmsnorm"),
+    "swiglu_no_bias": dict(mlp="swiglu", bias=False),
+    "gqa_learned": dict(n_head=4, n_kv_head=2),
+}
+
+
+def _llama(name: str, seed: int = 0, **kw):
+    cfg = dict(vocab_size=53, block_size=64, n_layer=3, n_head=4, n_embd=32)
+    cfg.update(LLAMA_CONFIGS[name])
+    cfg.update(kw)
+    return tiny_gpt(seed, **cfg)
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+@pytest.mark.parametrize("name", list(LLAMA_CONFIGS))
+def test_the_llama_twin_gives_the_model_s_logits_and_cache(name, packed, grad_mode):
+    """RoPE, RMSNorm, SwiGLU, grouped-query attention (and each alone): the twin's logits and cache
+    writes are ``model.decode``'s to the last bit, over 44 steps after an 8-token prefill."""
+    model = _llama(name)
+    assert native.why_not(model, StaticKVCache.for_model(model, 1, 4)) is not None  # not the C++ step's
+    ids = torch.randint(0, 53, (1, 52), generator=torch.Generator().manual_seed(2))
+    mode = torch.inference_mode() if grad_mode == "inference_mode" else torch.no_grad()
+    with mode, pack_for_decoding(model, 100, select=lambda n, m: packed):
+        assert packed == any(type(m) is cpu.PackedLinear for m in model.modules())
+        ref, got = StaticKVCache.for_model(model, 1, 60), StaticKVCache.for_model(model, 1, 60)
+        model.decode(ids[:, :8], ref)
+        model.decode(ids[:, :8], got)
+        assert native.why_not_python(model, got) is None
+        twin = native.LlamaPythonDecoder(model, got)
+        want, logits = [], []
+        for t in range(8, 52):
+            want.append(model.decode(ids[:, t : t + 1], ref))
+            logits.append(twin.step(ids[:, t : t + 1], got.length))
+            got.advance(1)
+            assert torch.equal(got.k, ref.k) and torch.equal(got.v, ref.v)
+    assert torch.equal(torch.cat(logits), torch.cat(want))
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_mqa_bias", "rope"])
+def test_generate_runs_the_llama_twin_with_the_model_s_tokens(name, monkeypatch, tmp_path):
+    """``fast=True`` runs the twin for every one-token step, and gives ``fast=False``'s tokens (and
+    speculative decoding with a Llama-style target and draft the target's greedy tokens)."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    model = _llama(name, scale=3.0)
+    idx = torch.tensor([[2, 4, 6, 8]])
+    calls = []
+    real = native.LlamaPythonDecoder.step
+    monkeypatch.setattr(native.LlamaPythonDecoder, "step", lambda self, i, p: calls.append(p) or real(self, i, p))
+    want = generate(model, idx, 40, temperature=0, fast=False)
+    assert calls == []  # fast=False: the model's own step
+    got = generate(model, idx, 40, temperature=0)
+    assert torch.equal(got, want) and calls == list(range(4, 43))
+    assert native.last_use().startswith("the Python decode step: not GPT-2's architecture")
+    sampled = [generate(model, idx, 30, temperature=1.0, top_k=10, fast=f, generator=torch.Generator().manual_seed(5))
+               for f in (True, False)]
+    assert torch.equal(*sampled)
+    draft = _llama(name, seed=1, n_layer=1, scale=3.0)
+    spec, _ = speculative_generate(model, draft, idx, 40, temperature=0, num_draft_tokens=4)
+    assert torch.equal(spec, want) and len(calls) > 39 + 30
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({**LLAMA, "window_size": 6}, "a sliding attention window"),
+    (dict(prenorm=False, norm="rmsnorm"), "post-norm blocks"),
+    ({**LLAMA, "attn_impl": "explicit"}, "written-out"),
+])
+def test_what_the_llama_twin_does_not_reproduce_runs_the_model_s_step(kw, reason, monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    model = _gpt2(**{"n_head": 4, "n_embd": 32, **kw})
+    monkeypatch.setattr(native.LlamaPythonDecoder, "step", lambda *a: pytest.fail("the twin ran"))
+    idx = torch.tensor([[1, 2, 3]])
+    got = generate(model, idx, 12, temperature=0)
+    assert reason in native.why_not_python(model, StaticKVCache.for_model(model, 1, 8))
+    use = native.last_use()
+    assert use.startswith("the model's own step (GPT.decode): not GPT-2's architecture") and reason in use
+    assert torch.equal(got, generate(model, idx, 12, temperature=0, fast=False))
+
+
+def test_the_llama_twin_refuses_hooks_training_and_other_dtypes(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    model = _llama("llama_gqa")
+    cache = StaticKVCache.for_model(model, 1, 8)
+    assert native.why_not_python(model, cache) is None
+    assert "batch-1" in native.why_not_python(model, StaticKVCache.for_model(model, 2, 8))
+    model.train()
+    assert "training mode" in native.why_not_python(model, cache)
+    model.eval()
+    seen = []
+    handle = model.transformer.h[0].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    assert "hook" in native.why_not_python(model, cache)
+    generate(model, torch.tensor([[1]]), 5, temperature=0)
+    assert len(seen) == 5 and native.last_use().startswith("the model's own step") and "hook" in native.last_use()
+    handle.remove()
+    double = _llama("llama_gqa").double()
+    assert "float32" in native.why_not_python(double, StaticKVCache.for_model(double, 1, 8))
+    generate(double, torch.tensor([[1]]), 3, temperature=0)
+    assert native.last_use().startswith("the model's own step")

@@ -32,8 +32,15 @@ How it is used.
   :func:`gptlab.speculative_generate` with ``fast=True`` (the default) run each one-token step of a
   batch-1 decode through it, wherever the model is one it reproduces exactly (:func:`why_not`: a
   :class:`gptlab.GPT` of GPT-2's architecture, float32 on the CPU, in eval mode, with no hooks).
-  Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, RoPE,
-  RMSNorm, grouped-query attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
+* The C++ step reproduces GPT-2's architecture only. A batch-1 one-token step of the other pre-norm
+  architectures (Llama's block: RoPE, RMSNorm, SwiGLU, grouped-query attention, or any mix of those
+  with GPT-2's parts; float32 on the CPU, eval mode, no hooks, no sliding window, the fused
+  attention: :func:`why_not_python`) runs :class:`LlamaPythonDecoder`, a Python twin of
+  :meth:`gptlab.GPT.decode`'s step for them: the same operations on the same tensors, so the same
+  logits to the last bit, without the model's modules between them.
+* Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, a
+  sliding window, post-norm blocks, the written-out attention, a forward hook) runs the model's
+  own step, :meth:`gptlab.GPT.decode`.
 * Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
   Python: the same operations on the same tensors, without the model's modules between them (the
   same logits again). ``make setup`` builds the C++ step where a compiler exists
@@ -41,7 +48,8 @@ How it is used.
   once per process, in one line, how to build it (:func:`hint`). Nothing is ever built behind the
   learner's back.
 
-:func:`last_use` says whether the last decode of this process ran it, and if not, why not.
+:func:`last_use` says which of these steps the last decode of this process ran (the C++ step, a
+Python twin, or the model's own), and why not the C++ one.
 """
 
 from __future__ import annotations
@@ -70,12 +78,14 @@ from torch.nn.modules import module as torch_module
 from ..assets import cache_dir
 from ..attention import CausalSelfAttention
 from ..kvcache import StaticKVCache
-from ..layers import MLP, LayerNorm
+from ..layers import MLP, LayerNorm, RMSNorm, SwiGLU
 from ..model import GPT, Block
+from ..rope import apply_rope
 from . import cpu
 from .cpu import PackedLinear
 
 __all__ = [
+    "LlamaPythonDecoder",
     "NativeBuildError",
     "ProductTiming",
     "PythonDecoder",
@@ -91,6 +101,7 @@ __all__ = [
     "products_plan",
     "time_products",
     "why_not",
+    "why_not_python",
 ]
 
 SOURCE = Path(__file__).with_name("decode_step.cpp")
@@ -217,7 +228,7 @@ def _linears(model: nn.Module) -> list[nn.Module]:
 
 
 def _hooked(model: nn.Module) -> bool:
-    """Some module of ``model`` (or every module, globally) has a forward hook: the Python step runs them."""
+    """Some module of ``model`` (or every module, globally) has a forward hook: the model's own step runs them."""
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return True
     return any(mod._forward_hooks or mod._forward_pre_hooks for mod in model.modules())
@@ -229,7 +240,8 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
     It reproduces a :class:`gptlab.GPT` of GPT-2's architecture (learned positions, pre-norm
     LayerNorm, GELU MLP, one key/value head per query head, no sliding window, PyTorch's fused
     attention), float32 on the CPU, in eval mode, without hooks, decoding batch 1 into a
-    :class:`~gptlab.kvcache.StaticKVCache`.
+    :class:`~gptlab.kvcache.StaticKVCache`. (Where it cannot, a model of the other pre-norm
+    architectures may still run a Python twin, :class:`LlamaPythonDecoder`: :func:`why_not_python`.)
     """
     if type(model) is not GPT:
         return f"not a gptlab.GPT ({type(model).__name__})"
@@ -237,13 +249,30 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
     if (c.pos_emb, c.norm, c.mlp, c.prenorm, c.kv_heads == c.n_head, c.window_size) != \
             ("learned", "layernorm", "gelu", True, True, None):
         return "not GPT-2's architecture (learned positions, pre-norm LayerNorm, GELU, full heads, no window)"
+    reason = _why_not_common(model, cache, LayerNorm, MLP)
+    if reason is not None:
+        return reason
+    blocks = list(model.transformer.h)
+    if len({m.eps for b in blocks for m in (b.ln_1, b.ln_2)} | {model.transformer.ln_f.eps}) != 1:
+        return "the layer norms' eps differ"
+    if _hooked(model):
+        return HOOKED
+    return None
+
+
+HOOKED = "a module has a forward hook (the model's own step runs it)"
+
+
+def _why_not_common(model: nn.Module, cache: Any, norm: type, mlp: type) -> str | None:
+    """What both steps need of a :class:`gptlab.GPT` whose blocks hold ``norm`` and ``mlp`` modules."""
     if any(mod.training for mod in model.modules()):
         return "the model (or one of its modules) is in training mode"
     if type(cache) is not StaticKVCache or cache.k.shape[1] != 1 or cache.k.dtype != torch.float32:
         return "not a float32 batch-1 StaticKVCache"
     blocks = list(model.transformer.h)
-    if any(type(b) is not Block or type(b.ln_1) is not LayerNorm or type(b.ln_2) is not LayerNorm
-           or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not MLP for b in blocks):
+    if any(type(b) is not Block or type(b.ln_1) is not norm or type(b.ln_2) is not norm
+           or type(b.attn) is not CausalSelfAttention or type(b.mlp) is not mlp for b in blocks) \
+            or type(model.transformer.ln_f) is not norm:
         return "a block's modules are not gptlab's own"
     if any(b.attn.impl == "explicit" or b.attn.record_weights for b in blocks):
         return "the attention is the written-out one (attn_impl='explicit' or record_weights)"
@@ -252,10 +281,37 @@ def why_not(model: nn.Module, cache: Any) -> str | None:
     params = list(model.parameters())
     if any(p.device.type != "cpu" or p.dtype != torch.float32 for p in params):
         return "the weights are not float32 on the CPU"
-    if len({m.eps for b in blocks for m in (b.ln_1, b.ln_2)} | {model.transformer.ln_f.eps}) != 1:
-        return "the layer norms' eps differ"
+    return None
+
+
+def why_not_python(model: nn.Module, cache: Any) -> str | None:
+    """Why :class:`LlamaPythonDecoder`, the Python twin of ``model.decode``'s one-token step for the
+    architectures the C++ step does not reproduce, cannot stand in for it (None: it can).
+
+    It reproduces a pre-norm :class:`gptlab.GPT` with any mix of learned or rotary positions
+    (RoPE), LayerNorm or RMSNorm, a GELU MLP or SwiGLU, full or grouped-query attention (Llama's
+    block: RoPE, RMSNorm, SwiGLU, GQA), without a sliding window, with PyTorch's fused attention,
+    float32 on the CPU, in eval mode, without hooks, decoding batch 1 into a
+    :class:`~gptlab.kvcache.StaticKVCache`. Everything else runs :meth:`gptlab.GPT.decode`.
+    """
+    if type(model) is not GPT:
+        return f"not a gptlab.GPT ({type(model).__name__})"
+    c = model.config
+    if not c.prenorm:
+        return "post-norm blocks"
+    if c.window_size is not None:
+        return "a sliding attention window"
+    if c.pos_emb not in ("learned", "rope") or c.norm not in ("layernorm", "rmsnorm") or c.mlp not in ("gelu", "swiglu"):
+        return f"positions {c.pos_emb!r}, norm {c.norm!r}, MLP {c.mlp!r}"
+    reason = _why_not_common(model, cache, RMSNorm if c.norm == "rmsnorm" else LayerNorm,
+                             SwiGLU if c.mlp == "swiglu" else MLP)
+    if reason is not None:
+        return reason
+    if c.pos_emb == "rope" and any(t.dtype != torch.float32 or t.device.type != "cpu"
+                                   for t in (model.rope_cos, model.rope_sin)):
+        return "the RoPE tables are not float32 on the CPU"
     if _hooked(model):
-        return "a module has a forward hook (the Python step runs it)"
+        return HOOKED
     return None
 
 
@@ -455,6 +511,106 @@ class PythonDecoder:
 
 
 _sdpa, _gelu = torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.gelu
+_silu = torch.nn.functional.silu
+
+
+class LlamaPythonDecoder:
+    """The Python twin of :meth:`gptlab.GPT.decode`'s one-token step for the pre-norm architectures
+    the C++ step does not reproduce (:func:`why_not_python`): Llama's block (RoPE, RMSNorm, SwiGLU,
+    grouped-query attention) and any mix of those with GPT-2's parts. It makes the PyTorch calls
+    the model's modules make for one token with a :class:`~gptlab.kvcache.StaticKVCache`, in the
+    same order, on the same tensors, without the modules between them:
+
+    * the token's embedding (plus its learned position's row, where the model has one);
+    * per block, the norm (``torch.rms_norm``, the kernel :class:`~gptlab.layers.RMSNorm` calls in
+      eval mode for float32, or ``torch.layer_norm``), ``c_attn``'s product, the heads as the
+      attention's views of it; with RoPE, :func:`gptlab.rope.apply_rope` on the query and key heads
+      together with the model's own tables' row ``pos`` (what ``apply_rope_train`` runs without a
+      gradient); the key and value written at slot ``pos`` of the cache's buffers; with fewer
+      key/value heads, ``repeat_interleave`` of the cached keys and values; PyTorch's fused
+      attention; ``c_proj``; the residual add; the norm; the MLP (``silu(gate) * up`` from
+      ``c_fc``'s two halves, or GELU); the residual add;
+    * the final norm and ``lm_head``.
+
+    Its logits and cache writes are the model's to the last bit (``tests/test_python_step.py``).
+    Built from the model with its packed layers installed and the cache whose buffers it writes;
+    ``step(idx (1, 1), pos) -> logits (1, V)``.
+    """
+
+    def __init__(self, model: nn.Module, cache: Any):
+        c, t = model.config, model.transformer
+        nh, nkv, hd = c.n_head, c.kv_heads, c.head_dim
+        self.C, self.shape, self.q_dim = c.n_embd, (c.n_embd,), nh * hd
+        self.nh, self.nkv, self.groups = nh, nkv, nh // nkv
+        self.rope = c.pos_emb == "rope"
+        # the attention's heads for one token: one view and unbind without RoPE and with full heads,
+        # else (1, 1, nh + 2 nkv, hd) -> transposed, split in (q and k) and v
+        self.full_view = (1, 3, nh, 1, hd)
+        self.heads = (1, 1, nh + 2 * nkv, hd)
+        self.split = (nh + nkv, nkv)
+        self.qk_split = (nh, nkv)
+        self.wte = t.wte.weight.detach()
+        self.wpe = None if self.rope else t.wpe.weight.detach()
+        if self.rope:
+            self.cos, self.sin = model.rope_cos, model.rope_sin
+        self.norm = _norm_call(t.ln_f)
+        self.swiglu = c.mlp == "swiglu"
+        self.layers = [(_norm_call(b.ln_1), _norm_call(b.ln_2), _plain(b.attn.c_attn), _product(b.attn.c_attn),
+                        _product(b.attn.c_proj), _product(b.mlp.c_fc), _product(b.mlp.c_proj), cache.k[i], cache.v[i])
+                       for i, b in enumerate(t.h)]
+        self.head = _product(model.lm_head)
+        self.qkv = torch.empty(1, (nh + 2 * nkv) * hd, dtype=self.wte.dtype)  # a plain c_attn's output
+
+    def step(self, idx: Tensor, pos: int) -> Tensor:
+        """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
+        logits (1, V); writes its keys and values at slot ``pos``."""
+        end, rope, swiglu, groups = pos + 1, self.rope, self.swiglu, self.groups
+        x = torch.embedding(self.wte, idx).view(1, self.C)  # a new tensor: added to in place
+        if rope:
+            cos, sin = self.cos.narrow(0, pos, 1), self.sin.narrow(0, pos, 1)
+        else:
+            x = x + self.wpe.narrow(0, pos, 1)
+        for norm_1, norm_2, plain, attn, attn_proj, fc, mlp_proj, k_buf, v_buf in self.layers:
+            h = norm_1(x)
+            if plain is None:
+                qkv = attn(h)
+            else:
+                qkv = plain(h, out=self.qkv)
+            if not rope and groups == 1:  # the attention's one-token views
+                q, k, v = qkv.view(self.full_view).unbind(1)
+            else:
+                qk, v = qkv.view(self.heads).transpose(1, 2).split(self.split, dim=1)
+                if rope:
+                    qk = apply_rope(qk, cos, sin)
+                q, k = qk.split(self.qk_split, dim=1)
+            k_buf.narrow(2, pos, 1).copy_(k)
+            v_buf.narrow(2, pos, 1).copy_(v)
+            k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
+            if groups != 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            y = _sdpa(q, k, v)
+            x.add_(attn_proj(y.reshape(1, self.q_dim)))
+            h = fc(norm_2(x))
+            if swiglu:
+                gate, up = h.chunk(2, dim=-1)
+                h = _silu(gate) * up
+            else:
+                h = _gelu(h, approximate="tanh")
+            x.add_(mlp_proj(h))
+        return self.head(self.norm(x))
+
+
+def _norm_call(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """A norm module's call for a float32 vector (1, C) in eval mode, without the module: the kernel
+    its ``forward`` calls there (``torch.rms_norm`` for :class:`~gptlab.layers.RMSNorm`,
+    ``torch.layer_norm`` for :class:`~gptlab.layers.LayerNorm`)."""
+    weight, eps = m.weight.detach(), float(m.eps)
+    shape = tuple(weight.shape)
+    if isinstance(m, RMSNorm):
+        rms_norm = torch.rms_norm
+        return lambda x: rms_norm(x, shape, weight, eps)
+    bias, layer_norm = _detached(m.bias), torch.layer_norm
+    return lambda x: layer_norm(x, shape, weight, bias, eps)
 
 
 def _detached(t: Tensor | None) -> Tensor | None:
@@ -487,6 +643,7 @@ def _product(m: nn.Module) -> Callable[[Tensor], Tensor]:
 
 
 _LAST: list[str | None] = [None]  # why the last decode did not use the C++ step (None: it did)
+_STEP: list[str] = ["the C++ decode step"]  # which step the last decode ran, as last_use names it
 _OFF: list[int] = [0]  # open disabled() blocks
 
 
@@ -494,7 +651,7 @@ _OFF: list[int] = [0]  # open disabled() blocks
 def disabled() -> Iterator[None]:
     """Within the block, decoders run the Python step (:class:`PythonDecoder`, what a machine
     without the build runs) even where the C++ one is built (a benchmark's comparison, a test of
-    the Python path)."""
+    the Python path). The models of :class:`LlamaPythonDecoder` run it either way."""
     _OFF[0] += 1
     try:
         yield
@@ -502,41 +659,59 @@ def disabled() -> Iterator[None]:
         _OFF[0] -= 1
 
 
+PYTHON_STEP = "the Python decode step"  # PythonDecoder or LlamaPythonDecoder
+MODEL_STEP = "the model's own step (GPT.decode)"
+
+
 def last_use() -> str:
-    """Whether the last decode of this process ran its steps in C++, and if not, why not."""
-    return "the C++ decode step" if _LAST[0] is None else f"the Python decode step: {_LAST[0]}"
+    """Which step the last decode of this process ran its one-token steps through, and if not the
+    C++ one, why not: ``"the C++ decode step"``; ``"the Python decode step: <why not C++>"`` (a
+    Python twin, :class:`PythonDecoder` or :class:`LlamaPythonDecoder`); or ``"the model's own step
+    (GPT.decode): <why not C++>; <why no twin>"``."""
+    return _STEP[0] if _LAST[0] is None else f"{_STEP[0]}: {_LAST[0]}"
 
 
 def native_decode(model: nn.Module, cache: Any,
                   fallback: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """A decode function for the Runner: ``f(idx (B, T), cache, **kw) -> logits (B, V)`` that runs
-    one-token, batch-1, unpadded steps on ``cache`` in C++ where it is built (else through its
-    Python twin, :class:`PythonDecoder`) and everything else through ``fallback``
-    (``model.decode``). Returns ``fallback`` itself where neither can reproduce the model
-    (:func:`why_not`); :func:`last_use` says which step ran. A decode that runs the Python twin
-    because nothing is built prints, once per process, how to build the C++ step (:func:`hint`).
+    one-token, batch-1, unpadded steps on ``cache`` in C++ where it is built and reproduces the
+    model (:func:`why_not`), else through the C++ step's Python twin, :class:`PythonDecoder` (a
+    GPT-2 model where nothing is built, or under :func:`disabled`), or, for the other pre-norm
+    architectures (Llama's), through :class:`LlamaPythonDecoder` (:func:`why_not_python`), and
+    everything else through ``fallback`` (``model.decode``). Returns ``fallback`` itself where no
+    step reproduces the model; :func:`last_use` says which step ran, and why not the C++ one. A
+    decode of a GPT-2 model that runs the Python twin because nothing is built prints, once per
+    process, how to build the C++ step (:func:`hint`); a Llama-style one does not (no build would
+    run it).
 
     Call it with the model as the decode will run it (the packed layers installed): the step
     holds the tensors it finds now, and the cache's buffers.
     """
     reason = why_not(model, cache)
     if reason is not None:
-        _LAST[0] = reason
-        return fallback
-    module = None if _OFF[0] else _module()
-    if module is not None:
-        _LAST[0] = None
-        tensors, ints, eps = _tensors(model, cache, _own(module, model))
-        decoder = module.Decoder(tensors, ints, eps)
-        kinds = ints[3::4]
-        n_own = sum(k == 3 for k in kinds)
-        _PRODUCTS[0] = (f"own product for {n_own} of {len(kinds)} linear layers, "
-                        f"{'fused' if decoder.fused else 'PyTorch operations'} step")
+        twin_reason = why_not_python(model, cache)
+        if twin_reason is not None:
+            _STEP[0], _LAST[0] = MODEL_STEP, reason if twin_reason == reason else f"{reason}; for the Python twin: {twin_reason}"
+            return fallback
+        # an architecture the C++ step does not reproduce (no build would run it: no hint)
+        _STEP[0], _LAST[0] = PYTHON_STEP, reason
+        decoder: Any = LlamaPythonDecoder(model, cache)
     else:
-        _LAST[0] = "turned off (gptlab.fast.native.disabled)" if _OFF[0] else NOT_BUILT
-        if not _OFF[0]:
-            hint()
-        decoder = PythonDecoder(model, cache)
+        module = None if _OFF[0] else _module()
+        if module is not None:
+            _STEP[0], _LAST[0] = "the C++ decode step", None
+            tensors, ints, eps = _tensors(model, cache, _own(module, model))
+            decoder = module.Decoder(tensors, ints, eps)
+            kinds = ints[3::4]
+            n_own = sum(k == 3 for k in kinds)
+            _PRODUCTS[0] = (f"own product for {n_own} of {len(kinds)} linear layers, "
+                            f"{'fused' if decoder.fused else 'PyTorch operations'} step")
+        else:
+            _STEP[0] = PYTHON_STEP
+            _LAST[0] = "turned off (gptlab.fast.native.disabled)" if _OFF[0] else NOT_BUILT
+            if not _OFF[0]:
+                hint()
+            decoder = PythonDecoder(model, cache)
     k, v = cache.k, cache.v
 
     def step(idx: Tensor, kv_cache: Any, **kw: Any) -> Tensor:
