@@ -243,3 +243,14 @@ def test_the_llama_twin_refuses_hooks_training_and_other_dtypes(monkeypatch, tmp
     assert "float32" in native.why_not_python(double, StaticKVCache.for_model(double, 1, 8))
     generate(double, torch.tensor([[1]]), 3, temperature=0)
     assert native.last_use().startswith("the model's own step")
+
+
+def test_a_gpt2_model_the_cpp_step_refuses_may_run_the_llama_twin(monkeypatch, tmp_path):
+    """Norms of different eps: not the C++ step's (one eps), but the twin gives each norm its own."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    model = _gpt2(scale=3.0)
+    model.transformer.h[1].ln_2.eps = 1e-3
+    idx = torch.tensor([[2, 4, 6]])
+    got = generate(model, idx, 20, temperature=0)
+    assert native.last_use() == "the Python decode step: the layer norms' eps differ"
+    assert torch.equal(got, generate(model, idx, 20, temperature=0, fast=False))
