@@ -254,3 +254,68 @@ def test_a_gpt2_model_the_cpp_step_refuses_may_run_the_llama_twin(monkeypatch, t
     got = generate(model, idx, 20, temperature=0)
     assert native.last_use() == "the Python decode step: the layer norms' eps differ"
     assert torch.equal(got, generate(model, idx, 20, temperature=0, fast=False))
+
+
+# --------------------------------------------------------------------------- chunks of several tokens
+
+CHUNKS = [(5, True), (2, False), (9, False), (3, True), (7, False), (native.CHUNK_MAX_TOKENS, False)]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "plain"])
+@pytest.mark.parametrize("name", [*LLAMA_CONFIGS, "gpt2"])
+def test_the_twin_s_chunks_give_the_model_s_logits_and_cache(name, packed):
+    """Several tokens in one call (speculative decoding's verification, short prefills): the logits,
+    all of them or the last one's, and the cache writes are ``model.decode``'s to the last bit."""
+    model = _gpt2() if name == "gpt2" else _llama(name)
+    ids = torch.randint(0, 53, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda n, m: packed):
+        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
+        twin = native.LlamaPythonDecoder(model, got)
+        t = 0
+        for T, last_only in CHUNKS:
+            want = model.decode(ids[:, t : t + T], ref, last_only=last_only)
+            logits = twin.chunk(ids[:, t : t + T], got.length, last_only)
+            got.advance(T)
+            assert logits.shape == (1, 1 if last_only else T, 53)
+            assert torch.equal(logits.select(1, -1) if last_only else logits, want), (T, last_only)
+            assert torch.equal(got.k, ref.k) and torch.equal(got.v, ref.v)
+            t += T
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
+def test_decoders_run_chunks_through_the_twin(name, monkeypatch, tmp_path):
+    """``native_decode`` runs chunks of 2 to CHUNK_MAX_TOKENS tokens through the twin's chunk (with
+    ``last_only`` either way), longer ones, other keywords and a full cache through the model's step;
+    speculative decoding's verifications run it with the target's greedy tokens."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    model = _gpt2(scale=3.0) if name == "gpt2" else _llama(name, scale=3.0)
+    chunks, own = [], []
+    real = native.LlamaPythonDecoder.chunk
+    monkeypatch.setattr(native.LlamaPythonDecoder, "chunk",
+                        lambda self, i, p, last_only=False: chunks.append(i.shape[1]) or real(self, i, p, last_only))
+    ids = torch.randint(0, 53, (1, 60), generator=torch.Generator().manual_seed(4))
+
+    def fallback(idx, cache, **kw):
+        own.append(idx.shape[1])
+        return model.decode(idx, cache, **kw)
+
+    with torch.inference_mode(), pack_for_decoding(model, 100):
+        ref, got = StaticKVCache.for_model(model, 1, 48), StaticKVCache.for_model(model, 1, 48)
+        step = native.native_decode(model, got, fallback)
+        assert torch.equal(step(ids[:, :6], got), model.decode(ids[:, :6], ref))
+        assert torch.equal(step(ids[:, 6:9], got, last_only=False), model.decode(ids[:, 6:9], ref, last_only=False))
+        one = step(ids[:, 9:10], got, last_only=False)  # one token, all its logits: (1, 1, V)
+        assert torch.equal(one, model.decode(ids[:, 9:10], ref, last_only=False)) and one.shape == (1, 1, 53)
+        assert chunks == [6, 3] and own == []
+        step(ids[:, 10:10 + native.CHUNK_MAX_TOKENS + 1], got)  # too long for the twin
+        assert own == [native.CHUNK_MAX_TOKENS + 1]
+        with pytest.raises(ValueError, match="KV cache full"):  # the model's step, with its own error
+            step(ids[:, :8], got)
+        assert own[-1] == 8 and chunks == [6, 3]
+    idx = torch.tensor([[2, 4, 6, 8]])
+    want = generate(model, idx, 40, temperature=0, fast=False)
+    draft = _gpt2(seed=1, n_layer=1, scale=3.0) if name == "gpt2" else _llama(name, seed=1, n_layer=1, scale=3.0)
+    chunks.clear()
+    spec, stats = speculative_generate(model, draft, idx, 40, temperature=0, num_draft_tokens=4)
+    assert torch.equal(spec, want)
+    assert chunks.count(5) == stats.drafted.count(4) > 20  # each verification of 4 guesses (the draft's chunks: <= 2)

@@ -79,6 +79,7 @@ from ..assets import cache_dir
 from ..attention import CausalSelfAttention
 from ..kvcache import StaticKVCache
 from ..layers import MLP, LayerNorm, RMSNorm, SwiGLU
+from ..masks import slot_mask
 from ..model import GPT, Block
 from ..rope import apply_rope
 from . import cpu
@@ -599,6 +600,53 @@ class LlamaPythonDecoder:
             x.add_(mlp_proj(h))
         return self.head(self.norm(x))
 
+    def chunk(self, idx: Tensor, pos: int, last_only: bool = False) -> Tensor:
+        """Several tokens idx (1, T), 2 <= T <= ``CHUNK_MAX_TOKENS``, at positions ``pos .. pos + T - 1``
+        (the cache holds 0 .. pos - 1) -> next-token logits (1, T, V), or (1, 1, V) for the last one
+        with ``last_only``; writes their keys and values at slots ``pos .. pos + T - 1``.
+
+        Speculative decoding's verification (the last token and the draft's guesses in one pass), a
+        short prompt's prefill, the draft catching up after a full accept: :meth:`gptlab.GPT.decode`'s
+        calls for T tokens, in its order, to the last bit, without the modules between them (the
+        causal slot mask made once, the heads as views of ``c_attn``'s product, RoPE's rows
+        ``pos .. pos + T - 1``, PyTorch's fused attention under the mask, the norms and products of
+        :meth:`step` on T rows)."""
+        T = idx.shape[1]
+        end, rope, swiglu, groups = pos + T, self.rope, self.swiglu, self.groups
+        x = torch.embedding(self.wte, idx)  # (1, T, C)
+        if rope:
+            cos, sin = self.cos.narrow(0, pos, T), self.sin.narrow(0, pos, T)
+        else:
+            x = x + self.wpe.narrow(0, pos, T)
+        mask = slot_mask(pos, T, 0, end, device=x.device)  # (T, end): query t sees keys 0 .. pos + t
+        heads = (1, T, self.heads[2], self.heads[3])
+        for norm_1, norm_2, _plain_attn, attn, attn_proj, fc, mlp_proj, k_buf, v_buf in self.layers:
+            qk, v = attn(norm_1(x)).view(heads).transpose(1, 2).split(self.split, dim=1)
+            if rope:
+                qk = apply_rope(qk, cos, sin)
+            q, k = qk.split(self.qk_split, dim=1)
+            k_buf.narrow(2, pos, T).copy_(k)
+            v_buf.narrow(2, pos, T).copy_(v)
+            k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
+            if groups != 1:
+                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            y = _sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+            x = x + attn_proj(y.transpose(1, 2).reshape(1, T, self.q_dim))
+            h = fc(norm_2(x))
+            if swiglu:
+                gate, up = h.chunk(2, dim=-1)
+                h = _silu(gate) * up
+            else:
+                h = _gelu(h, approximate="tanh")
+            x = x + mlp_proj(h)
+        x = self.norm(x)
+        return self.head(x.narrow(1, T - 1, 1) if last_only else x)
+
+
+# The most tokens LlamaPythonDecoder.chunk takes in one call: the packed layers' products of at most
+# this many vectors (gptlab.fast.cpu.PackedLinear); longer chunks run the model's own step.
+CHUNK_MAX_TOKENS = cpu.ROW_SPLIT_MAX_ROWS
+
 
 def _norm_call(m: nn.Module) -> Callable[[Tensor], Tensor]:
     """A norm module's call for a float32 vector (1, C) in eval mode, without the module: the kernel
@@ -678,7 +726,10 @@ def native_decode(model: nn.Module, cache: Any,
     model (:func:`why_not`), else through the C++ step's Python twin, :class:`PythonDecoder` (a
     GPT-2 model where nothing is built, or under :func:`disabled`), or, for the other pre-norm
     architectures (Llama's), through :class:`LlamaPythonDecoder` (:func:`why_not_python`), and
-    everything else through ``fallback`` (``model.decode``). Returns ``fallback`` itself where no
+    everything else through ``fallback`` (``model.decode``). Chunks of 2 to ``CHUNK_MAX_TOKENS``
+    tokens (speculative decoding's verification with ``last_only=False``, short prefills) run
+    :meth:`LlamaPythonDecoder.chunk` wherever that twin reproduces the model (GPT-2's architecture
+    included), to the last bit of ``fallback``'s. Returns ``fallback`` itself where no
     step reproduces the model; :func:`last_use` says which step ran, and why not the C++ one. A
     decode of a GPT-2 model that runs the Python twin because nothing is built prints, once per
     process, how to build the C++ step (:func:`hint`); a Llama-style one does not (no build would
@@ -688,8 +739,8 @@ def native_decode(model: nn.Module, cache: Any,
     holds the tensors it finds now, and the cache's buffers.
     """
     reason = why_not(model, cache)
+    twin_reason = why_not_python(model, cache)
     if reason is not None:
-        twin_reason = why_not_python(model, cache)
         if twin_reason is not None:
             _STEP[0], _LAST[0] = MODEL_STEP, reason if twin_reason == reason else f"{reason}; for the Python twin: {twin_reason}"
             return fallback
@@ -712,15 +763,29 @@ def native_decode(model: nn.Module, cache: Any,
             if not _OFF[0]:
                 hint()
             decoder = PythonDecoder(model, cache)
+    # chunks of several tokens (verification, short prefills) through the Llama twin's chunk, where it
+    # reproduces the model (whichever step runs the one-token steps)
+    chunks = None if twin_reason is not None else decoder if isinstance(decoder, LlamaPythonDecoder) \
+        else LlamaPythonDecoder(model, cache)
     k, v = cache.k, cache.v
 
     def step(idx: Tensor, kv_cache: Any, **kw: Any) -> Tensor:
-        if kw or kv_cache is not cache or idx.shape != (1, 1) or cache.k is not k or cache.v is not v \
-                or cache.length >= cache.max_len or torch.is_grad_enabled():
+        if kv_cache is not cache or idx.dim() != 2 or idx.shape[0] != 1 or cache.k is not k or cache.v is not v \
+                or torch.is_grad_enabled() or (kw and set(kw) != {"last_only"}):
             return fallback(idx, kv_cache, **kw)
-        logits = decoder.step(idx, cache.length)
-        cache.advance(1)
-        return logits
+        T, pos = idx.shape[1], cache.length
+        if pos + T > cache.max_len:
+            return fallback(idx, kv_cache, **kw)  # the cache's own error
+        last_only = kw.get("last_only", True)
+        if T == 1:
+            logits = decoder.step(idx, pos)  # (1, V): the (1, 1, V) logits' only row
+            cache.advance(1)
+            return logits if last_only else logits[:, None]
+        if chunks is None or T > CHUNK_MAX_TOKENS:
+            return fallback(idx, kv_cache, **kw)
+        logits = chunks.chunk(idx, pos, last_only)  # (1, T or 1, V)
+        cache.advance(T)
+        return logits.select(1, -1) if last_only else logits
 
     return step
 
