@@ -38,9 +38,13 @@ How it is used.
   attention: :func:`why_not_python`) runs :class:`LlamaPythonDecoder`, a Python twin of
   :meth:`gptlab.GPT.decode`'s step for them: the same operations on the same tensors, so the same
   logits to the last bit, without the model's modules between them.
-* Anything else (a prompt's prefill, a chunk of several tokens, a batch, a padded prompt, a
-  sliding window, post-norm blocks, the written-out attention, a forward hook) runs the model's
-  own step, :meth:`gptlab.GPT.decode`.
+* A chunk of 2 to ``CHUNK_MAX_TOKENS`` (32) tokens of a model the twin reproduces, GPT-2's
+  included, runs :meth:`LlamaPythonDecoder.chunk`, :meth:`gptlab.GPT.decode`'s calls for several
+  tokens without the modules (to the last bit again): speculative decoding's verification of the
+  draft's guesses (one call, every position's logits), a short prompt's prefill, the draft catching
+  up after a full accept.
+* Anything else (a longer prefill, a batch, a padded prompt, a sliding window, post-norm blocks,
+  the written-out attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
 * Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
   Python: the same operations on the same tensors, without the model's modules between them (the
   same logits again). ``make setup`` builds the C++ step where a compiler exists
