@@ -630,7 +630,9 @@ class LlamaPythonDecoder:
             cos, sin = self.cos.narrow(0, pos, T), self.sin.narrow(0, pos, T)
         else:
             x = x + self.wpe.narrow(0, pos, T)
-        mask = slot_mask(pos, T, 0, end, device=x.device)  # (T, end): query t sees keys 0 .. pos + t
+        # as GPT.forward: from an empty cache PyTorch's causal flag, else the slot mask (T, end) under
+        # which query t sees keys 0 .. pos + t
+        mask = None if pos == 0 else slot_mask(pos, T, 0, end, device=x.device)
         heads = (1, T, self.heads[2], self.heads[3])
         for norm_1, norm_2, _plain_attn, attn, attn_proj, fc, mlp_proj, k_buf, v_buf in self.layers:
             qk, v = attn(norm_1(x)).view(heads).transpose(1, 2).split(self.split, dim=1)
@@ -642,7 +644,7 @@ class LlamaPythonDecoder:
             k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
             if groups != 1:
                 k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            y = _sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False)
+            y = _sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=mask is None)
             x = x + attn_proj(y.transpose(1, 2).reshape(1, T, self.q_dim))
             h = fc(norm_2(x))
             if swiglu:
