@@ -382,7 +382,9 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
     tcache = StaticKVCache.for_model(target, 1, end)
     dcache = StaticKVCache.for_model(draft, 1, end)
     tdecode, ddecode = decode_step(target, config.compile), decode_step(draft, config.compile)
-    if config.packs:  # the draft's one-token steps in C++ where built (gptlab.fast.native)
+    # The one-token steps in C++ where built, else a Python twin of the model's step; the target's
+    # verification of each round (g + 1 tokens) through the twin's chunk (gptlab.fast.native)
+    if config.packs:
         tdecode, ddecode = native_decode(target, tcache, tdecode), native_decode(draft, dcache, ddecode)
     if n > 1:  # prefill everything but the last prompt token, which opens round one
         tdecode(seq[None, : n - 1], tcache)
