@@ -577,7 +577,7 @@ class LlamaPythonDecoder:
     def step(self, idx: Tensor, pos: int) -> Tensor:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
         logits (1, V); writes its keys and values at slot ``pos``."""
-        end, rope, swiglu, groups = pos + 1, self.rope, self.swiglu, self.groups
+        rope, swiglu, groups = self.rope, self.swiglu, self.groups
         x = torch.embedding(self.wte, idx).view(1, self.C)  # a new tensor: added to in place
         if rope:
             cos, sin = self.cos.narrow(0, pos, 1), self.sin.narrow(0, pos, 1)
@@ -596,20 +596,10 @@ class LlamaPythonDecoder:
                 if rope:
                     qk = apply_rope(qk, cos, sin)
                 q, k = qk.split(self.qk_split, dim=1)
-            k_buf.narrow(2, pos, 1).copy_(k)
-            v_buf.narrow(2, pos, 1).copy_(v)
-            k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
-            if groups != 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = _cache_update(k_buf, v_buf, k, v, pos, groups)
             y = _sdpa(q, k, v)
             x.add_(attn_proj(y.reshape(1, self.q_dim)))
-            h = fc(norm_2(x))
-            if swiglu:
-                gate, up = h.chunk(2, dim=-1)
-                h = _silu(gate) * up
-            else:
-                h = _gelu(h, approximate="tanh")
-            x.add_(mlp_proj(h))
+            x.add_(mlp_proj(_activation(fc(norm_2(x)), swiglu)))
         return self.head(self.norm(x))
 
     def chunk(self, idx: Tensor, pos: int, last_only: bool = False) -> Tensor:
@@ -639,20 +629,10 @@ class LlamaPythonDecoder:
             if rope:
                 qk = apply_rope(qk, cos, sin)
             q, k = qk.split(self.qk_split, dim=1)
-            k_buf.narrow(2, pos, T).copy_(k)
-            v_buf.narrow(2, pos, T).copy_(v)
-            k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
-            if groups != 1:
-                k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = _cache_update(k_buf, v_buf, k, v, pos, groups)
             y = _sdpa(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=mask is None)
             x = x + attn_proj(y.transpose(1, 2).reshape(1, T, self.q_dim))
-            h = fc(norm_2(x))
-            if swiglu:
-                gate, up = h.chunk(2, dim=-1)
-                h = _silu(gate) * up
-            else:
-                h = _gelu(h, approximate="tanh")
-            x = x + mlp_proj(h)
+            x = x + mlp_proj(_activation(fc(norm_2(x)), swiglu))
         x = self.norm(x)
         return self.head(x.narrow(1, T - 1, 1) if last_only else x)
 
@@ -660,6 +640,29 @@ class LlamaPythonDecoder:
 # The most tokens LlamaPythonDecoder.chunk takes in one call: the packed layers' products of at most
 # this many vectors (gptlab.fast.cpu.PackedLinear); longer chunks run the model's own step.
 CHUNK_MAX_TOKENS = cpu.ROW_SPLIT_MAX_ROWS
+
+
+def _cache_update(k_buf: Tensor, v_buf: Tensor, k: Tensor, v: Tensor, pos: int, groups: int) -> tuple[Tensor, Tensor]:
+    """What ``StaticKVCache.update`` and the attention do with a layer's new keys and values k, v
+    (1, nkv, T, hd): written at slots ``pos .. pos + T - 1`` of the cache's buffers (1, nkv, max_len,
+    hd), then every key and value so far read back (1, nkv, pos + T, hd), each repeated ``groups``
+    times for grouped-query attention -> (1, nkv * groups, pos + T, hd)."""
+    T, end = k.shape[2], pos + k.shape[2]
+    k_buf.narrow(2, pos, T).copy_(k)
+    v_buf.narrow(2, pos, T).copy_(v)
+    k, v = k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end)
+    if groups != 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return k, v
+
+
+def _activation(h: Tensor, swiglu: bool) -> Tensor:
+    """The MLP's activation of ``c_fc``'s product h (..., n): SwiGLU's ``silu(gate) * up`` from its
+    two halves (..., n / 2), or GELU (tanh) (..., n); the module's calls."""
+    if swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return _silu(gate) * up
+    return _gelu(h, approximate="tanh")
 
 
 def _norm_call(m: nn.Module) -> Callable[[Tensor], Tensor]:
