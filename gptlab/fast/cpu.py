@@ -383,10 +383,7 @@ def calibrate(model: nn.Module, *, refresh: bool = False, rounds: int = 5) -> di
     read it. A measurement made while the machine is busy (:func:`_busy`) holds for this process
     only: the next one measures again. ``refresh=True`` measures every shape again.
     """
-    path, key = calibration_path(), machine_key()
-    memo = _TIMINGS.get((str(path), key))
-    if memo is None:
-        memo = _TIMINGS[(str(path), key)] = _read(path, key)
+    path, key, memo = _memo()
     layers = [m for _, m in _candidates(model)[0] if m.weight.numel() >= SMALLEST_MEASURED]
     todo = [m for m in layers if refresh or _shape(m) not in memo]
     if todo:
@@ -395,6 +392,20 @@ def calibrate(model: nn.Module, *, refresh: bool = False, rounds: int = 5) -> di
         if not _busy():
             _save(path, key, measured)
     return {s: memo[s] for s in dict.fromkeys(_shape(m) for m in layers)}
+
+
+def _memo() -> tuple[Path, str, dict[str, Timing]]:
+    """This process's copy of this machine's calibration (read from its file once), with the file and key."""
+    path, key = calibration_path(), machine_key()
+    memo = _TIMINGS.get((str(path), key))
+    if memo is None:
+        memo = _TIMINGS[(str(path), key)] = _read(path, key)
+    return path, key, memo
+
+
+def known_timing(shape: str) -> Timing | None:
+    """This machine's calibration of one weight shape (``"out x in"``), None where it was never measured."""
+    return _memo()[2].get(shape)
 
 
 # --------------------------------------------------------------------------- the plan and the swap

@@ -401,7 +401,7 @@ def products_plan(module: Any, model: nn.Module) -> dict[str, ProductTiming]:
     memo = _PRODUCT_TIMINGS.get((str(path), key))
     if memo is None:
         memo = _PRODUCT_TIMINGS[(str(path), key)] = _read_products(path, key)
-    layers = [m for m in _linears(model) if type(m) is nn.Linear]
+    layers = [m for m in _linears(model) if type(m) in (nn.Linear, PackedLinear)]  # a packed layer: its plain weight
     shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
     todo = [m for m, s in zip(layers, shapes) if s not in memo]
     if todo:
@@ -413,13 +413,25 @@ def products_plan(module: Any, model: nn.Module) -> dict[str, ProductTiming]:
 
 
 def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
-    """Whether the C++ step multiplies by a layer's plain weight with its own product (OWN_PRODUCT)."""
+    """Whether the C++ step multiplies by a layer's plain weight with its own product (OWN_PRODUCT):
+    for a plain layer where it is faster than at::linear; for a packed one (:class:`PackedLinear`, which
+    keeps the plain weight too) where it is also faster than the packed product (``gptlab.fast.cpu``'s
+    calibration of that shape, timed from Python: a few microseconds of calls included)."""
     if OWN_PRODUCT == "never":
         return lambda m: False
     if OWN_PRODUCT == "always":
-        return lambda m: type(m) is nn.Linear
+        return lambda m: type(m) in (nn.Linear, PackedLinear)
     timings = products_plan(module, model)
-    return lambda m: type(m) is nn.Linear and timings[f"{m.out_features}x{m.in_features}"].faster
+
+    def own(m: nn.Module) -> bool:
+        shape = f"{m.out_features}x{m.in_features}"
+        if type(m) is nn.Linear:
+            return timings[shape].faster
+        p = cpu.known_timing(shape)
+        return type(m) is PackedLinear and timings[shape].faster and \
+            (p is None or timings[shape].own_us < OWN_FASTER_BY * p.packed_us)
+
+    return own
 
 
 _PRODUCTS: list[str] = [""]  # the products the last C++ step ran (last_products)
@@ -442,7 +454,7 @@ def _tensors(model: nn.Module, cache: Any,
     ints = [c.n_layer, c.n_head, c.head_dim]
 
     def product(m: nn.Module) -> None:
-        if isinstance(m, PackedLinear):  # one vector's product as blocks_product runs it on this machine
+        if isinstance(m, PackedLinear) and not own(m):  # one vector's product as blocks_product runs it here
             b = m.blocks
             P, inp, part = b.weight.shape
             if cpu.EMBEDDING_BAG_PRODUCT:
@@ -452,7 +464,7 @@ def _tensors(model: nn.Module, cache: Any,
             else:
                 tensors.extend([b.weight, none if b.bias is None else b.bias, none, none])
                 ints.extend([2, P, inp, b.out_features])
-        else:
+        else:  # the plain weight (a packed layer's too, where the own product is faster)
             tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
             laid_out = m.weight.is_contiguous() and (m.bias is None or m.bias.is_contiguous())
             ints.extend([3 if laid_out and own(m) else 0, 1, m.in_features, m.out_features])
