@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from gptlab import beam_search, generate, speculative_generate, stream
 from gptlab.cli import main
@@ -18,7 +19,7 @@ from gptlab.fast import cpu, native
 from gptlab.fast.cpu import pack_for_decoding
 from gptlab.interop.hf import to_hf
 from gptlab.kvcache import StaticKVCache
-from tiny_models import VARIANTS, tiny_gpt, variant_model
+from tiny_models import LLAMA, VARIANTS, tiny_gpt, variant_model
 
 pytestmark = pytest.mark.native
 
@@ -282,14 +283,41 @@ def test_the_own_product_does_not_depend_on_the_thread_count():
     assert torch.equal(native.matvec(w, x, b), one)
 
 
+@pytest.mark.parametrize("out, inp", [(37, 19), (64, 48), (131, 200)])
+@pytest.mark.parametrize("n", [2, 3, 9, 33])
+def test_the_own_product_of_several_vectors_is_each_vector_s_product(out, inp, n):
+    """Several vectors (a chunk of tokens): each row the product of that vector alone, to the last bit
+    (the same sums), whatever the thread count; F.linear's up to float rounding."""
+    g = torch.Generator().manual_seed(out + n)
+    w, x, b = torch.randn(out, inp, generator=g), torch.randn(1, n, inp, generator=g), torch.randn(out, generator=g)
+    for bias in (b, None):
+        y = native.matvec(w, x, bias)
+        assert y.shape == (1, n, out)
+        alone = torch.stack([native.matvec(w, x[0, j], bias) for j in range(n)])[None]
+        assert torch.equal(y, alone)
+        torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(native.matvec(w, x, bias), y)
+        finally:
+            torch.set_num_threads(threads)
+    strided = torch.randn(n, 2 * inp, generator=g)[:, ::2]  # made contiguous first
+    assert torch.equal(native.matvec(w, strided, b), native.matvec(w, strided.contiguous(), b))
+
+
 def test_the_own_product_refuses_what_it_does_not_multiply():
     w, x = torch.randn(8, 16), torch.randn(16)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         native.matvec(w.t().contiguous().t(), x)  # a transposed weight
     with pytest.raises(RuntimeError, match="contiguous float32"):
         native.matvec(w.double(), x)
-    with pytest.raises(RuntimeError, match="one float32 vector of in = 16"):
-        native.matvec(w, torch.randn(2, 16))  # two vectors
+    with pytest.raises(RuntimeError, match=r"float32 vectors of in = 16 features \(\.\.\., 16\)"):
+        native.matvec(w, torch.randn(2, 15))  # the wrong number of features
+    with pytest.raises(RuntimeError, match="float32 vectors of in = 16"):
+        native.matvec(w, torch.randn(2, 16).double())
+    with pytest.raises(RuntimeError, match="float32 vectors of in = 16"):
+        native.matvec(w, torch.randn(0, 16))  # no vector
     with pytest.raises(RuntimeError, match="empty or a contiguous float32"):
         native.matvec(w, x, torch.randn(7))
 
@@ -387,3 +415,66 @@ def test_a_packed_layer_runs_the_own_product_where_it_beats_the_packed_one_too(t
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: True):
         native.native_decode(model, StaticKVCache.for_model(model, 1, 32), model.decode)
         assert native.last_products() == "own product for 13 of 13 linear layers, fused step"
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("own", ["always", "never"])
+def test_chunks_run_the_own_product_where_it_is_built(arch, own, monkeypatch):
+    """Where the C++ step is built, the twin's chunks (speculative decoding's verification, short
+    prefills) multiply by its own product (``OWN_PRODUCT``): the model's logits and cache up to float
+    rounding, and the same greedy tokens; with "never", the model's own products, to the last bit."""
+    monkeypatch.setattr(native, "OWN_PRODUCT", own)
+    cfg = dict(vocab_size=53, block_size=64, n_layer=3, n_head=4, n_embd=32, scale=3.0)
+    model = tiny_gpt(0, **cfg) if arch == "gpt2" else tiny_gpt(0, **{**cfg, **LLAMA})
+    ids = torch.randint(0, 53, (1, 40), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: name.endswith("c_fc")):
+        ref, got = StaticKVCache.for_model(model, 1, 48), StaticKVCache.for_model(model, 1, 48)
+        step = native.native_decode(model, got, model.decode)
+        n = len(native._linears(model))
+        assert native.last_chunk_products() == f"own product for {n if own == 'always' else 0} of {n} linear layers"
+        for a, b in ((0, 6), (6, 15), (15, 16), (16, 40)):
+            last_only = b - a == 1
+            want, logits = (f(ids[:, a:b], c, last_only=last_only) for f, c in ((model.decode, ref), (step, got)))
+            if own == "never":
+                assert torch.equal(logits, want), (a, b)
+            else:
+                torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4, msg=f"{(a, b)}")
+        torch.testing.assert_close(got.k, ref.k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.v, ref.v, rtol=1e-5, atol=1e-5)
+    idx = torch.tensor([[2, 4, 6, 8]])
+    want = generate(model, idx, 40, temperature=0, fast=False)
+    draft = tiny_gpt(1, **{**cfg, "n_layer": 1})
+    spec, _ = speculative_generate(model, draft, idx, 40, temperature=0, num_draft_tokens=4)
+    assert torch.equal(spec, want)
+
+
+def test_the_chunks_calibration_picks_the_own_product_per_shape(tmp_path, monkeypatch):
+    """With OWN_PRODUCT "calibrated", each layer shape's chunk product is timed both ways once
+    (CHUNK_TIMING_ROWS vectors), kept in fast-native.json, and the chunks take the own product only
+    where it was clearly faster."""
+    import json
+
+    monkeypatch.setattr(native, "OWN_PRODUCT", "calibrated")
+    monkeypatch.setattr(native, "_PRODUCT_TIMINGS", {})
+    monkeypatch.setattr(cpu, "_busy", lambda: False)
+    path = tmp_path / native.PRODUCTS_FILE
+    monkeypatch.setattr(native, "products_path", lambda: path)
+    model = tiny_gpt(0, **{**dict(vocab_size=53, block_size=64, n_layer=2, n_embd=32), **LLAMA})
+    layers = native._linears(model)
+    timings = native.time_chunk_products(native._module(), layers, rounds=2)
+    assert set(timings) == {f"{m.out_features}x{m.in_features} x{native.CHUNK_TIMING_ROWS} rows" for m in layers}
+    assert len(timings) == 5  # c_attn, c_proj, c_fc, the MLP's c_proj, lm_head
+    assert all(t.linear_us > 0 and t.own_us > 0 for t in timings.values())
+    with torch.inference_mode():
+        native.native_decode(model, StaticKVCache.for_model(model, 1, 16), model.decode)
+    saved = json.loads(path.read_text())["machines"][native.products_key()]
+    assert {k for k in saved if k.endswith("rows")} == set(timings)
+    # another process reads them: say the own product wins for c_fc's shape only (2 of 9 layers)
+    fc = model.transformer.h[0].mlp.c_fc
+    fake = {s: {"linear_us": 10.0, "own_us": 5.0 if s.startswith(f"{fc.out_features}x{fc.in_features} ") else 10.0}
+            for s in saved}
+    path.write_text(json.dumps({"version": 1, "machines": {native.products_key(): fake}}))
+    monkeypatch.setattr(native, "_PRODUCT_TIMINGS", {})
+    with torch.inference_mode():
+        native.native_decode(model, StaticKVCache.for_model(model, 1, 16), model.decode)
+    assert native.last_chunk_products() == "own product for 2 of 9 linear layers"

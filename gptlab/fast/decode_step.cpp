@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -116,6 +117,20 @@ void matvec_into(const float* w, const float* x, const float* b, float* y, int64
   const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, 4 * in));
   at::parallel_for(0, blocks, grain, [&](int64_t s, int64_t e) {
     rows_product(w, x, b, y, s * 4, std::min(out, e * 4), in, accumulate);
+  });
+}
+
+// Y (n, out) = X W^T + b for n vectors X (n, in): each vector's product as matvec_into computes it
+// (the same sums, the same bits), a task's block of rows multiplied by every vector while the
+// block is in the core's cache (a short chunk of tokens: speculative decoding's verification).
+void matmat_into(const float* w, const float* x, const float* b, float* y, int64_t n, int64_t out, int64_t in) {
+  const int64_t blocks = (out + 3) / 4;
+  const int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, 4 * in));
+  at::parallel_for(0, blocks, grain, [&](int64_t s, int64_t e) {
+    for (int64_t r0 = s * 4; r0 < std::min(out, e * 4); r0 += 16) {  // 16 rows (24 KB at in = 384) at a time
+      const int64_t r1 = std::min({out, e * 4, r0 + 16});
+      for (int64_t j = 0; j < n; ++j) rows_product(w, x + j * in, b, y + j * out, r0, r1, in, false);
+    }
   });
 }
 
@@ -266,22 +281,28 @@ void gelu_tanh_inplace(float* __restrict x, int64_t n) {
   }
 }
 
-// The product as a PyTorch function (tests, calibration): W (out, in) float32 contiguous, x (in,)
-// or (1, in) float32 (made contiguous), b (out,) or empty -> y shaped like x with out features.
+// The product as a PyTorch function (the chunks of LlamaPythonDecoder, tests, calibration): W (out, in)
+// float32 contiguous, x (..., in) float32 holding n >= 1 vectors (made contiguous), b (out,) or empty
+// -> y (..., out); each vector's product is the one matvec_into computes for it alone.
 at::Tensor matvec(const at::Tensor& W, const at::Tensor& x, const at::Tensor& b) {
   TORCH_CHECK(W.dim() == 2 && W.scalar_type() == at::kFloat && W.is_contiguous() && W.device().is_cpu(),
               "matvec: W must be a contiguous float32 (out, in) CPU tensor");
   const int64_t out = W.size(0), in = W.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.numel() == in && x.size(-1) == in,
-              "matvec: x must be one float32 vector of in = ", in, " features");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == in && x.numel() >= in,
+              "matvec: x must hold float32 vectors of in = ", in, " features (..., ", in, ")");
   TORCH_CHECK(!b.numel() || (b.dim() == 1 && b.size(0) == out && b.scalar_type() == at::kFloat && b.is_contiguous()),
               "matvec: b must be empty or a contiguous float32 (out,) tensor");
   at::Tensor xc = x.contiguous();
   auto shape = x.sizes().vec();
   shape.back() = out;
   at::Tensor y = at::empty(shape, W.options());
-  matvec_into(W.data_ptr<float>(), xc.data_ptr<float>(), b.numel() ? b.data_ptr<float>() : nullptr,
-              y.data_ptr<float>(), out, in, false);
+  const int64_t n = x.numel() / in;
+  const float* bias = b.numel() ? b.data_ptr<float>() : nullptr;
+  if (n == 1) {
+    matvec_into(W.data_ptr<float>(), xc.data_ptr<float>(), bias, y.data_ptr<float>(), out, in, false);
+  } else {
+    matmat_into(W.data_ptr<float>(), xc.data_ptr<float>(), bias, y.data_ptr<float>(), n, out, in);
+  }
   return y;
 }
 
@@ -490,7 +511,7 @@ class Decoder {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("matvec", &matvec, "W x + b for one float32 vector x, the decode step's own product");
+  m.def("matvec", &matvec, "x W^T + b for float32 vectors x (..., in), the decode step's own product");
   m.def("time_products", &time_products, pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<Decoder>(m, "Decoder")
       .def(pybind11::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, double>())

@@ -99,6 +99,7 @@ __all__ = [
     "disabled",
     "hint",
     "is_built",
+    "last_chunk_products",
     "last_products",
     "last_use",
     "matvec",
@@ -152,9 +153,10 @@ def _module() -> Any | None:
 
 
 def matvec(weight: Tensor, x: Tensor, bias: Tensor | None = None) -> Tensor:
-    """The C++ step's own product of one vector: ``F.linear(x, weight, bias)`` for x (in,) or (1, in)
-    (made contiguous), weight (out, in) float32 contiguous; equal to it up to float rounding (the same
-    sums in another order). Raises :class:`NativeBuildError` where nothing is built, ``RuntimeError``
+    """The C++ step's own product: ``F.linear(x, weight, bias)`` for x (..., in) holding one vector or
+    several (made contiguous), weight (out, in) float32 contiguous -> (..., out); equal to it up to
+    float rounding (the same sums in another order), and each vector's row equal to its product
+    alone to the last bit. Raises :class:`NativeBuildError` where nothing is built, ``RuntimeError``
     on other shapes or dtypes."""
     module = _module()
     if module is None:
@@ -434,6 +436,74 @@ def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
     return own
 
 
+CHUNK_TIMING_ROWS = 8  # a verification of 7 guesses: the chunk size the own product is timed at
+
+
+def time_chunk_products(module: Any, layers: list[nn.Module], rounds: int = 7) -> dict[str, ProductTiming]:
+    """Time a chunk's product (``CHUNK_TIMING_ROWS`` vectors) by each layer both ways, from Python as
+    :meth:`LlamaPythonDecoder.chunk` calls them: the layer's own product as the model computes it
+    (``linear_us``: the packed blocks or ``F.linear``) and the C++ step's (``own_us``: ``matvec`` on the
+    plain weight); in the model's order, the two ways alternating round after round; per shape the best
+    round's mean per layer."""
+    g = torch.Generator().manual_seed(0)
+    ways = ([_product(m) for m in layers], [_own_product(module, m) for m in layers])
+    xs = [torch.randn(1, CHUNK_TIMING_ROWS, m.in_features, generator=g) for m in layers]
+    shapes = [_chunk_key(m) for m in layers]
+    best: list[dict[str, float]] = [{}, {}]
+    with torch.inference_mode():
+        for r in range(rounds + 1):  # round 0 warms up
+            for way in (0, 1) if r % 2 else (1, 0):
+                total: dict[str, list[float]] = {}
+                for shape, f, x in zip(shapes, ways[way], xs):
+                    t0 = time.perf_counter()
+                    f(x)
+                    total.setdefault(shape, []).append(time.perf_counter() - t0)
+                if r:
+                    for shape, ts in total.items():
+                        best[way][shape] = min(best[way].get(shape, math.inf), sum(ts) / len(ts))
+    return {shape: ProductTiming(best[0][shape] * 1e6, best[1][shape] * 1e6) for shape in best[1]}
+
+
+def _chunk_key(m: nn.Module) -> str:
+    return f"{m.out_features}x{m.in_features} x{CHUNK_TIMING_ROWS} rows"
+
+
+def _own_product(module: Any, m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """A layer's product of x (..., in) by the C++ step's own kernel on its plain weight."""
+    weight, bias = m.weight.detach(), torch.empty(0) if m.bias is None else m.bias.detach()
+    return functools.partial(_own_call, module.matvec, weight, bias)
+
+
+def _own_call(matvec: Callable[..., Tensor], weight: Tensor, bias: Tensor, x: Tensor) -> Tensor:
+    return matvec(weight, x, bias)
+
+
+def _own_chunks(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
+    """Whether :meth:`LlamaPythonDecoder.chunk` multiplies by a layer's plain weight with the C++
+    step's own product (OWN_PRODUCT): where :func:`time_chunk_products` found it faster than the
+    layer's product as the model computes it (measured once per machine and build, kept in
+    ``fast-native.json`` beside :func:`products_plan`'s timings)."""
+    def laid_out(m: nn.Module) -> bool:
+        return type(m) in (nn.Linear, PackedLinear) and m.weight.is_contiguous() and \
+            (m.bias is None or m.bias.is_contiguous())
+
+    if OWN_PRODUCT == "never":
+        return lambda m: False
+    if OWN_PRODUCT == "always":
+        return laid_out
+    path, key = products_path(), products_key()
+    memo = _PRODUCT_TIMINGS.get((str(path), key))
+    if memo is None:
+        memo = _PRODUCT_TIMINGS[(str(path), key)] = _read_products(path, key)
+    todo = {_chunk_key(m): m for m in _linears(model) if laid_out(m) and _chunk_key(m) not in memo}
+    if todo:
+        measured = time_chunk_products(module, list(todo.values()))
+        memo.update(measured)
+        if not cpu._busy():
+            _save_products(path, key, measured)
+    return lambda m: laid_out(m) and memo[_chunk_key(m)].faster
+
+
 _PRODUCTS: list[str] = [""]  # the products the last C++ step ran (last_products)
 
 
@@ -559,10 +629,14 @@ class LlamaPythonDecoder:
 
     Its logits and cache writes are the model's to the last bit (``tests/test_python_step.py``).
     Built from the model with its packed layers installed and the cache whose buffers it writes;
-    ``step(idx (1, 1), pos) -> logits (1, V)``.
+    ``step(idx (1, 1), pos) -> logits (1, V)``. ``chunk_product(layer)``, where given, returns the
+    product :meth:`chunk` runs for that layer instead (``native_decode`` gives the C++ step's own
+    product where it is built and faster: the chunk's logits then equal the model's up to float
+    rounding).
     """
 
-    def __init__(self, model: nn.Module, cache: Any):
+    def __init__(self, model: nn.Module, cache: Any,
+                 chunk_product: Callable[[nn.Module], Callable[[Tensor], Tensor] | None] | None = None):
         c, t = model.config, model.transformer
         nh, nkv, hd = c.n_head, c.kv_heads, c.head_dim
         self.C, self.shape, self.q_dim = c.n_embd, (c.n_embd,), nh * hd
@@ -585,6 +659,15 @@ class LlamaPythonDecoder:
                        for i, b in enumerate(t.h)]
         self.head = _product(model.lm_head)
         self.qkv = torch.empty(1, (nh + 2 * nkv) * hd, dtype=self.wte.dtype)  # a plain c_attn's output
+
+        def for_chunks(m: nn.Module) -> Callable[[Tensor], Tensor]:
+            f = None if chunk_product is None else chunk_product(m)
+            return _product(m) if f is None else f
+
+        # the chunk's products per block: c_attn, c_proj, c_fc, the MLP's c_proj; then lm_head's
+        self.chunk_products = [tuple(for_chunks(m) for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
+                               for b in t.h]
+        self.chunk_head = for_chunks(model.lm_head)
 
     def step(self, idx: Tensor, pos: int) -> Tensor:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
@@ -636,7 +719,7 @@ class LlamaPythonDecoder:
         # which query t sees keys 0 .. pos + t
         mask = None if pos == 0 else slot_mask(pos, T, 0, end, device=x.device)
         heads = (1, T, self.heads[2], self.heads[3])
-        for norm_1, norm_2, _plain_attn, attn, attn_proj, fc, mlp_proj, k_buf, v_buf in self.layers:
+        for (norm_1, norm_2, *_, k_buf, v_buf), (attn, attn_proj, fc, mlp_proj) in zip(self.layers, self.chunk_products):
             qk, v = attn(norm_1(x)).view(heads).transpose(1, 2).split(self.split, dim=1)
             if rope:
                 qk = apply_rope(qk, cos, sin)
@@ -646,7 +729,7 @@ class LlamaPythonDecoder:
             x = x + attn_proj(y.transpose(1, 2).reshape(1, T, self.q_dim))
             x = x + mlp_proj(_activation(fc(norm_2(x)), swiglu))
         x = self.norm(x)
-        return self.head(x.narrow(1, T - 1, 1) if last_only else x)
+        return self.chunk_head(x.narrow(1, T - 1, 1) if last_only else x)
 
 
 # The most tokens LlamaPythonDecoder.chunk takes in one call: the packed layers' products of at most
@@ -777,15 +860,24 @@ def native_decode(model: nn.Module, cache: Any,
     """
     reason = why_not(model, cache)
     twin_reason = why_not_python(model, cache)
+    module = None if _OFF[0] else _module()
+    # a chunk's products by the C++ step's own kernel where it is built and faster (_own_chunks)
+    chunk_product = None
+    if twin_reason is None and module is not None:
+        own_chunk = _own_chunks(module, model)
+        chunk_product = functools.partial(_chunk_product, module, own_chunk)
+        n_own = sum(bool(own_chunk(m)) for m in _linears(model))
+        _CHUNKS[0] = f"own product for {n_own} of {len(_linears(model))} linear layers"
+    elif twin_reason is None:
+        _CHUNKS[0] = "the model's products"
     if reason is not None:
         if twin_reason is not None:
             _STEP[0], _LAST[0] = MODEL_STEP, reason if twin_reason == reason else f"{reason}; for the Python twin: {twin_reason}"
             return fallback
         # an architecture the C++ step does not reproduce (no build would run it: no hint)
         _STEP[0], _LAST[0] = PYTHON_STEP, reason
-        decoder: Any = LlamaPythonDecoder(model, cache)
+        decoder: Any = LlamaPythonDecoder(model, cache, chunk_product)
     else:
-        module = None if _OFF[0] else _module()
         if module is not None:
             _STEP[0], _LAST[0] = "the C++ decode step", None
             tensors, ints, eps = _tensors(model, cache, _own(module, model))
@@ -803,7 +895,7 @@ def native_decode(model: nn.Module, cache: Any,
     # chunks of several tokens (verification, short prefills) through the Llama twin's chunk, where it
     # reproduces the model (whichever step runs the one-token steps)
     chunks = None if twin_reason is not None else decoder if isinstance(decoder, LlamaPythonDecoder) \
-        else LlamaPythonDecoder(model, cache)
+        else LlamaPythonDecoder(model, cache, chunk_product)
     k, v = cache.k, cache.v
 
     def step(idx: Tensor, kv_cache: Any, **kw: Any) -> Tensor:
@@ -825,6 +917,20 @@ def native_decode(model: nn.Module, cache: Any,
         return logits.select(1, -1) if last_only else logits
 
     return step
+
+
+def _chunk_product(module: Any, own: Callable[[nn.Module], bool], m: nn.Module) -> Callable[[Tensor], Tensor] | None:
+    return _own_product(module, m) if own(m) else None
+
+
+_CHUNKS: list[str] = [""]  # the products the last chunks ran (last_chunk_products)
+
+
+def last_chunk_products() -> str:
+    """How the chunks of the last decode that could run them (:meth:`LlamaPythonDecoder.chunk`)
+    multiplied by the weights: ``"own product for N of M linear layers"`` where the C++ step is
+    built, ``"the model's products"`` where not ("" before any)."""
+    return _CHUNKS[0]
 
 
 NOT_BUILT = "not built on this machine (python -m gptlab build-native)"
