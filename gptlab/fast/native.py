@@ -42,7 +42,10 @@ How it is used.
   included, runs :meth:`LlamaPythonDecoder.chunk`, :meth:`gptlab.GPT.decode`'s calls for several
   tokens without the modules (to the last bit again): speculative decoding's verification of the
   draft's guesses (one call, every position's logits), a short prompt's prefill, the draft catching
-  up after a full accept.
+  up after a full accept. Where the C++ step is built, the chunk multiplies by its own product
+  (``matvec`` on several vectors) wherever a one-time timing at ``CHUNK_TIMING_ROWS`` rows finds it
+  faster than the model's product (:func:`time_chunk_products`; :func:`last_chunk_products` says how
+  many layers): the logits then equal the model's up to float rounding.
 * Anything else (a longer prefill, a batch, a padded prompt, a sliding window, post-norm blocks,
   the written-out attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
 * Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
@@ -707,7 +710,8 @@ class LlamaPythonDecoder:
         calls for T tokens, in its order, to the last bit, without the modules between them (the
         causal slot mask made once, the heads as views of ``c_attn``'s product, RoPE's rows
         ``pos .. pos + T - 1``, PyTorch's fused attention under the mask, the norms and products of
-        :meth:`step` on T rows)."""
+        :meth:`step` on T rows); with ``chunk_product`` given, its products instead (the logits then
+        equal the model's up to float rounding)."""
         T = idx.shape[1]
         end, rope, swiglu, groups = pos + T, self.rope, self.swiglu, self.groups
         x = torch.embedding(self.wte, idx)  # (1, T, C)
@@ -849,7 +853,8 @@ def native_decode(model: nn.Module, cache: Any,
     everything else through ``fallback`` (``model.decode``). Chunks of 2 to ``CHUNK_MAX_TOKENS``
     tokens (speculative decoding's verification with ``last_only=False``, short prefills) run
     :meth:`LlamaPythonDecoder.chunk` wherever that twin reproduces the model (GPT-2's architecture
-    included), to the last bit of ``fallback``'s. Returns ``fallback`` itself where no
+    included), to the last bit of ``fallback``'s, or up to float rounding where the chunk's products
+    are the C++ step's own (where it is built and faster: :func:`_own_chunks`). Returns ``fallback`` itself where no
     step reproduces the model; :func:`last_use` says which step ran, and why not the C++ one. A
     decode of a GPT-2 model that runs the Python twin because nothing is built prints, once per
     process, how to build the C++ step (:func:`hint`); a Llama-style one does not (no build would
