@@ -64,6 +64,16 @@ def _steps(model, decode, cache, ids):
     return torch.cat(out)
 
 
+def _compared(model, ids, max_len: int, products: str):
+    """The model's own steps and native_decode's over ids (``_steps``), each on a cache of its own,
+    the C++ step having reported ``products`` (last_products) -> (logits, want, got, ref)."""
+    ref, got = StaticKVCache.for_model(model, 1, max_len), StaticKVCache.for_model(model, 1, max_len)
+    want = _steps(model, model.decode, ref, ids)
+    step = native.native_decode(model, got, model.decode)
+    assert native.last_products() == products
+    return _steps(model, step, got, ids), want, got, ref
+
+
 @pytest.mark.parametrize("product", ["bag", "bmm", "plain"])
 @pytest.mark.parametrize("kw", [{}, dict(bias=False), dict(tie_weights=False)], ids=["gpt2", "no_bias", "untied"])
 def test_the_same_logits_and_cache_as_the_python_step(product, kw, monkeypatch):
@@ -332,11 +342,7 @@ def test_the_fused_step_gives_the_model_s_logits_up_to_rounding(kw):
     model = _gpt2(scale=2.0, **kw)
     ids = torch.randint(0, 53, (1, 60), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
-        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
-        want = _steps(model, model.decode, ref, ids)
-        step = native.native_decode(model, got, model.decode)
-        assert native.last_products() == "own product for 13 of 13 linear layers, fused step"
-        logits = _steps(model, step, got, ids)
+        logits, want, got, ref = _compared(model, ids, 64, "own product for 13 of 13 linear layers, fused step")
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     assert got.length == ref.length == 60
     torch.testing.assert_close(got.k, ref.k, rtol=1e-5, atol=1e-5)
@@ -403,12 +409,8 @@ def test_a_packed_layer_runs_the_own_product_where_it_beats_the_packed_one_too(t
     ids = torch.randint(0, 53, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: name != "lm_head"):
         assert sum(type(m) is cpu.PackedLinear for m in model.modules()) == 12
-        ref, got = StaticKVCache.for_model(model, 1, 32), StaticKVCache.for_model(model, 1, 32)
-        want = _steps(model, model.decode, ref, ids)
-        step = native.native_decode(model, got, model.decode)
         # 9 packed layers and lm_head (plain) by the own product, the 3 c_attn by the packed one
-        assert native.last_products() == "own product for 10 of 13 linear layers, fused step"
-        logits = _steps(model, step, got, ids)
+        logits, want, _, _ = _compared(model, ids, 32, "own product for 10 of 13 linear layers, fused step")
     torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
     # a shape never calibrated for packing: the own product wherever it beats at::linear
     monkeypatch.setattr(cpu, "known_timing", lambda s: None)
