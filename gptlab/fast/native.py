@@ -379,7 +379,7 @@ def time_products(module: Any, layers: list[nn.Linear], rounds: int = 7) -> dict
     """Time one vector's product by each layer both ways in the C++ step (at::linear, the own
     product), in the model's order (the weights stream as in a decode step), the two ways alternating
     round after round; per shape the best round's mean per layer."""
-    shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
+    shapes = [cpu._shape(m) for m in layers]
     g = torch.Generator().manual_seed(0)
     ws = [m.weight.detach().contiguous() for m in layers]
     bs = [torch.empty(0) if m.bias is None else m.bias.detach().contiguous() for m in layers]
@@ -402,19 +402,27 @@ def products_plan(module: Any, model: nn.Module) -> dict[str, ProductTiming]:
     both ways in the C++ step: measured once (:func:`time_products`, about a decode step's time a
     round) and kept in ``cache_dir() / "fast-native.json"`` under :func:`products_key` (not when the
     machine is busy, :func:`gptlab.fast.cpu._busy`: the next process measures again)."""
+    layers = [m for m in _linears(model) if type(m) in (nn.Linear, PackedLinear)]  # a packed layer: its plain weight
+    memo = _timings(layers, cpu._shape, lambda todo: time_products(module, todo))
+    return {s: memo[s] for s in dict.fromkeys(cpu._shape(m) for m in layers)}
+
+
+def _timings(layers: list[nn.Module], key_of: Callable[[nn.Module], str],
+             measure: Callable[[list[nn.Module]], dict[str, ProductTiming]]) -> dict[str, ProductTiming]:
+    """This process's timings of the C++ step's products (read once from ``fast-native.json``, under
+    :func:`products_key`), after ``measure`` has timed the ``layers`` whose ``key_of`` is missing; what
+    it measured is kept in the file unless the machine is busy (:func:`gptlab.fast.cpu._busy`)."""
     path, key = products_path(), products_key()
     memo = _PRODUCT_TIMINGS.get((str(path), key))
     if memo is None:
         memo = _PRODUCT_TIMINGS[(str(path), key)] = _read_products(path, key)
-    layers = [m for m in _linears(model) if type(m) in (nn.Linear, PackedLinear)]  # a packed layer: its plain weight
-    shapes = [f"{m.out_features}x{m.in_features}" for m in layers]
-    todo = [m for m, s in zip(layers, shapes) if s not in memo]
+    todo = [m for m in layers if key_of(m) not in memo]
     if todo:
-        measured = time_products(module, todo)
+        measured = measure(todo)
         memo.update(measured)
         if not cpu._busy():
             _save_products(path, key, measured)
-    return {s: memo[s] for s in dict.fromkeys(shapes)}
+    return memo
 
 
 def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -429,7 +437,7 @@ def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
     timings = products_plan(module, model)
 
     def own(m: nn.Module) -> bool:
-        shape = f"{m.out_features}x{m.in_features}"
+        shape = cpu._shape(m)
         if type(m) is nn.Linear:
             return timings[shape].faster
         p = cpu.known_timing(shape)
@@ -473,12 +481,14 @@ def _chunk_key(m: nn.Module) -> str:
 
 def _own_product(module: Any, m: nn.Module) -> Callable[[Tensor], Tensor]:
     """A layer's product of x (..., in) by the C++ step's own kernel on its plain weight."""
-    weight, bias = m.weight.detach(), torch.empty(0) if m.bias is None else m.bias.detach()
-    return functools.partial(_own_call, module.matvec, weight, bias)
+    matvec, weight, bias = module.matvec, m.weight.detach(), torch.empty(0) if m.bias is None else m.bias.detach()
+    return lambda x: matvec(weight, x, bias)
 
 
-def _own_call(matvec: Callable[..., Tensor], weight: Tensor, bias: Tensor, x: Tensor) -> Tensor:
-    return matvec(weight, x, bias)
+def _laid_out(m: nn.Module) -> bool:
+    """A plain or packed layer whose plain weight (and bias) the own product can read as they are."""
+    return type(m) in (nn.Linear, PackedLinear) and m.weight.is_contiguous() and \
+        (m.bias is None or m.bias.is_contiguous())
 
 
 def _own_chunks(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
@@ -486,25 +496,13 @@ def _own_chunks(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
     step's own product (OWN_PRODUCT): where :func:`time_chunk_products` found it faster than the
     layer's product as the model computes it (measured once per machine and build, kept in
     ``fast-native.json`` beside :func:`products_plan`'s timings)."""
-    def laid_out(m: nn.Module) -> bool:
-        return type(m) in (nn.Linear, PackedLinear) and m.weight.is_contiguous() and \
-            (m.bias is None or m.bias.is_contiguous())
-
     if OWN_PRODUCT == "never":
         return lambda m: False
     if OWN_PRODUCT == "always":
-        return laid_out
-    path, key = products_path(), products_key()
-    memo = _PRODUCT_TIMINGS.get((str(path), key))
-    if memo is None:
-        memo = _PRODUCT_TIMINGS[(str(path), key)] = _read_products(path, key)
-    todo = {_chunk_key(m): m for m in _linears(model) if laid_out(m) and _chunk_key(m) not in memo}
-    if todo:
-        measured = time_chunk_products(module, list(todo.values()))
-        memo.update(measured)
-        if not cpu._busy():
-            _save_products(path, key, measured)
-    return lambda m: laid_out(m) and memo[_chunk_key(m)].faster
+        return _laid_out
+    memo = _timings([m for m in _linears(model) if _laid_out(m)], _chunk_key,  # one layer per shape timed
+                    lambda todo: time_chunk_products(module, list({_chunk_key(m): m for m in todo}.values())))
+    return lambda m: _laid_out(m) and memo[_chunk_key(m)].faster
 
 
 _PRODUCTS: list[str] = [""]  # the products the last C++ step ran (last_products)
@@ -539,8 +537,7 @@ def _tensors(model: nn.Module, cache: Any,
                 ints.extend([2, P, inp, b.out_features])
         else:  # the plain weight (a packed layer's too, where the own product is faster)
             tensors.extend([m.weight, none if m.bias is None else m.bias, none, none])
-            laid_out = m.weight.is_contiguous() and (m.bias is None or m.bias.is_contiguous())
-            ints.extend([3 if laid_out and own(m) else 0, 1, m.in_features, m.out_features])
+            ints.extend([3 if _laid_out(m) and own(m) else 0, 1, m.in_features, m.out_features])
 
     for b in t.h:
         tensors.extend([b.ln_1.weight, none if b.ln_1.bias is None else b.ln_1.bias,
@@ -869,10 +866,9 @@ def native_decode(model: nn.Module, cache: Any,
     # a chunk's products by the C++ step's own kernel where it is built and faster (_own_chunks)
     chunk_product = None
     if twin_reason is None and module is not None:
-        own_chunk = _own_chunks(module, model)
-        chunk_product = functools.partial(_chunk_product, module, own_chunk)
-        n_own = sum(bool(own_chunk(m)) for m in _linears(model))
-        _CHUNKS[0] = f"own product for {n_own} of {len(_linears(model))} linear layers"
+        own_chunk, linears = _own_chunks(module, model), _linears(model)
+        chunk_product = lambda m: _own_product(module, m) if own_chunk(m) else None  # noqa: E731
+        _CHUNKS[0] = f"own product for {sum(bool(own_chunk(m)) for m in linears)} of {len(linears)} linear layers"
     elif twin_reason is None:
         _CHUNKS[0] = "the model's products"
     if reason is not None:
@@ -922,10 +918,6 @@ def native_decode(model: nn.Module, cache: Any,
         return logits.select(1, -1) if last_only else logits
 
     return step
-
-
-def _chunk_product(module: Any, own: Callable[[nn.Module], bool], m: nn.Module) -> Callable[[Tensor], Tensor] | None:
-    return _own_product(module, m) if own(m) else None
 
 
 _CHUNKS: list[str] = [""]  # the products the last chunks ran (last_chunk_products)
