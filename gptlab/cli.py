@@ -407,7 +407,7 @@ def _bench_speculative_arguments(parser) -> None:
     parser.add_argument("--preset", choices=sorted(bench_speculative.PRESETS), default="default", help="model sizes and training steps")
     parser.add_argument("--models", default=None, metavar="DIR",
                         help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
-    parser.add_argument("--gs", default="1,2,3,4,5,6,8", help="comma-separated draft lengths g")
+    parser.add_argument("--gs", default="1,2,3,4,6,8,10,12", help="comma-separated draft lengths g (the best is often 8-12 with the default draft)")
     parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
     parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
