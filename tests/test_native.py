@@ -389,22 +389,31 @@ def test_the_calibration_picks_the_own_product_per_shape_where_it_is_faster(tmp_
     assert native.last_products() == "own product for 3 of 13 linear layers, fused step"
 
 
-def test_a_packed_layer_runs_the_own_product_where_it_beats_the_packed_one_too(tmp_path, monkeypatch):
-    """Where the packed products beat at::linear (the AMD EPYC measured: 42 against 124 us for
-    1152x384, the own product 23 us), the packed layers keep their plain weight, and the C++ step
-    multiplies by it with its own product where that is faster than the packed product too (by
-    OWN_FASTER_BY); where the packed product is faster, it runs that one."""
+def _made_up_timings(tmp_path, monkeypatch) -> dict:
+    """``_gpt2``'s shapes timed, made up: the own product 4 us against at::linear's 10 everywhere
+    (in a ``fast-native.json`` of its own), the packed product 3 us for c_attn's shape (faster than
+    the own one) and 6 us for the others (``cpu.known_timing``); OWN_PRODUCT "calibrated". Returns
+    the packed timings per shape."""
     import json
 
     monkeypatch.setattr(native, "OWN_PRODUCT", "calibrated")
     monkeypatch.setattr(native, "_PRODUCT_TIMINGS", {})
     path = tmp_path / native.PRODUCTS_FILE
     monkeypatch.setattr(native, "products_path", lambda: path)
-    shapes = ("144x48", "48x48", "192x48", "48x192", "53x48")  # own 4 us against at::linear's 10 us everywhere
+    shapes = ("144x48", "48x48", "192x48", "48x192", "53x48")
     path.write_text(json.dumps({"version": 1, "machines": {
         native.products_key(): {s: {"linear_us": 10.0, "own_us": 4.0} for s in shapes}}}))
-    # the packed product: 3 us for c_attn's shape (faster than the own one), 6 us for the others
-    monkeypatch.setattr(cpu, "known_timing", lambda s: cpu.Timing(10.0, 3.0 if s == "144x48" else 6.0, 1.0))
+    timing = {s: cpu.Timing(10.0, 3.0 if s == "144x48" else 6.0, 1.0) for s in shapes}
+    monkeypatch.setattr(cpu, "known_timing", timing.get)
+    return timing
+
+
+def test_a_packed_layer_runs_the_own_product_where_it_beats_the_packed_one_too(tmp_path, monkeypatch):
+    """Where the packed products beat at::linear (the AMD EPYC measured: 42 against 124 us for
+    1152x384, the own product 23 us), the packed layers keep their plain weight, and the C++ step
+    multiplies by it with its own product where that is faster than the packed product too (by
+    OWN_FASTER_BY); where the packed product is faster, it runs that one."""
+    _made_up_timings(tmp_path, monkeypatch)
     model = _gpt2(scale=3.0)
     ids = torch.randint(0, 53, (1, 24), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: name != "lm_head"):
@@ -417,6 +426,43 @@ def test_a_packed_layer_runs_the_own_product_where_it_beats_the_packed_one_too(t
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda name, m: True):
         native.native_decode(model, StaticKVCache.for_model(model, 1, 32), model.decode)
         assert native.last_products() == "own product for 13 of 13 linear layers, fused step"
+
+
+def test_a_decode_through_the_cpp_step_packs_no_layer_it_multiplies_by_its_own_product(tmp_path, monkeypatch):
+    """generate, stream and speculative decoding's draft leave plain the layers the C++ step will
+    multiply by its own product (faster than at::linear and than the packed product: packing them
+    copied their weights for nothing, 17-20 ms a call for GPT-2 Mini on the AMD EPYC measured), and
+    still pack the others; a batch of two, or the Python step (disabled), packs every layer the
+    calibration favours. The greedy tokens are fast=False's."""
+    timing = _made_up_timings(tmp_path, monkeypatch)
+    # packing pays everywhere (these weights are too small to be timed: the calibration is made up)
+    monkeypatch.setattr(cpu, "SMALLEST_MEASURED", 0)
+    monkeypatch.setattr(cpu, "calibrate", lambda model, **kw: timing)
+    model = _gpt2(scale=3.0, tie_weights=False)
+    idx = torch.randint(0, 53, (1, 6), generator=torch.Generator().manual_seed(4))
+    want = generate(model, idx, 20, temperature=0, fast=False)
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    attn = [name for name in linears if name.endswith("c_attn")]
+    for run in (lambda: generate(model, idx, 20, temperature=0),
+                lambda: torch.cat([idx, *stream(model, idx, 20, temperature=0)], 1)):
+        assert torch.equal(run(), want)
+        plan = cpu.last_plan()
+        assert plan.packed == attn
+        assert plan.plain == {name: native.KEPT_PLAIN for name in linears if name not in attn}
+        assert native.last_products() == "own product for 10 of 13 linear layers, fused step"
+    # as speculative decoding's draft (its plan is made after the target's, which packs every layer)
+    target = _gpt2(seed=1, scale=3.0, tie_weights=False)
+    out, _ = speculative_generate(target, model, idx, 12, temperature=0)
+    assert cpu.last_plan().packed == attn
+    assert torch.equal(out, generate(target, idx, 12, temperature=0, fast=False))
+    generate(model, idx.repeat(2, 1), 20, temperature=0)  # a batch: the Python step's products
+    assert cpu.last_plan().packed == linears
+    with native.disabled():
+        assert torch.equal(generate(model, idx, 20, temperature=0), want)
+    assert cpu.last_plan().packed == linears
+    model.train()  # generate decodes in eval mode, so the C++ step runs and the same layers stay plain
+    assert torch.equal(generate(model, idx, 20, temperature=0), want)
+    assert cpu.last_plan().packed == attn and model.training
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -463,14 +463,17 @@ def last_plan() -> Plan | None:
 
 
 def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
-                select: Callable[[str, nn.Linear], bool] | None = None) -> Plan:
+                select: Callable[[str, nn.Linear], bool] | None = None,
+                keep_plain: Callable[[nn.Linear], str | None] | None = None) -> Plan:
     """Which of ``model``'s linear layers to pack for a decode of ``steps`` steps (None: any).
 
     By default from :func:`calibrate`: a layer is packed when its packed product is clearly faster
     on this machine (``Timing.faster``) and the decode is long enough to pay back its packing
-    (``Timing.pay_back_steps <= steps``). ``select(name, layer) -> bool`` chooses instead, among
-    the layers that can be packed (tests, experiments). ``parts``: row blocks per weight (default
-    twice ``torch.get_num_threads()``).
+    (``Timing.pay_back_steps <= steps``), unless ``keep_plain(layer)`` gives a reason to leave it
+    plain (the C++ decode step multiplies it by its own product, which does not read a packed
+    copy: :func:`gptlab.fast.native.step_keeps_plain`). ``select(name, layer) -> bool`` chooses
+    instead, among the layers that can be packed (tests, experiments). ``parts``: row blocks per
+    weight (default twice ``torch.get_num_threads()``).
     """
     parts = 2 * torch.get_num_threads() if parts is None else parts
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
@@ -492,7 +495,7 @@ def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None
             elif steps is not None and t.pay_back_steps > steps:
                 reason = f"packing pays back after {t.pay_back_steps:.0f} steps, more than {steps}"
             else:
-                reason = None
+                reason = None if keep_plain is None else keep_plain(m)
         if reason is None:
             plan.packed.append(name)
         else:
@@ -544,18 +547,20 @@ class Packing:
 
 
 def packed_layers(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
-                  select: Callable[[str, nn.Linear], bool] | None = None) -> Packing:
+                  select: Callable[[str, nn.Linear], bool] | None = None,
+                  keep_plain: Callable[[nn.Linear], str | None] | None = None) -> Packing:
     """:func:`decode_plan`'s layers packed (the copies made now), not yet swapped in."""
-    return Packing(model, decode_plan(model, steps, parts=parts, select=select))
+    return Packing(model, decode_plan(model, steps, parts=parts, select=select, keep_plain=keep_plain))
 
 
 @contextmanager
 def pack_for_decoding(model: nn.Module, steps: int | None = None, *, parts: int | None = None,
-                      select: Callable[[str, nn.Linear], bool] | None = None) -> Iterator[Plan]:
+                      select: Callable[[str, nn.Linear], bool] | None = None,
+                      keep_plain: Callable[[nn.Linear], str | None] | None = None) -> Iterator[Plan]:
     """Within the block, ``model``'s linear layers that :func:`decode_plan` chooses are
     :class:`PackedLinear`; on exit (an exception included) the original ``nn.Linear`` modules are
     back and the packed copies are dropped. Yields the plan. ``steps``: how many decode steps the
     block will run (the packing must pay itself back within them; None: any number).
     """
-    with packed_layers(model, steps, parts=parts, select=select).installed() as plan:
+    with packed_layers(model, steps, parts=parts, select=select, keep_plain=keep_plain).installed() as plan:
         yield plan

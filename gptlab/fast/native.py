@@ -20,7 +20,10 @@ build, kept in ``cache_dir() / "fast-native.json"``), the step multiplies by it,
 fused: layer norms, the one query's attention (one head per thread), GELU and the residual adds
 as loops of its own on buffers made once. Its logits then equal the model's up to float rounding
 (the same sums in other orders), not to the last bit; where no shape is faster, the step is the
-PyTorch calls above, bit for bit. (``torch.compile`` is the other way to drop the Python; on the CPUs measured
+PyTorch calls above, bit for bit. A layer ``fast=True`` would pack (:mod:`gptlab.fast.cpu`) is
+multiplied by the own product too where that also beats the packed product; such a layer is then
+left unpacked for the decodes that run this step (:func:`step_keeps_plain`), since the step would
+not read its packed copy. (``torch.compile`` is the other way to drop the Python; on the CPUs measured
 its generated code was slower than these kernels, see :mod:`gptlab.fast.compiled`.)
 
 How it is used.
@@ -108,6 +111,7 @@ __all__ = [
     "matvec",
     "native_decode",
     "products_plan",
+    "step_keeps_plain",
     "time_products",
     "why_not",
     "why_not_python",
@@ -437,14 +441,43 @@ def _own(module: Any, model: nn.Module) -> Callable[[nn.Module], bool]:
     timings = products_plan(module, model)
 
     def own(m: nn.Module) -> bool:
-        shape = cpu._shape(m)
         if type(m) is nn.Linear:
-            return timings[shape].faster
-        p = cpu.known_timing(shape)
-        return type(m) is PackedLinear and timings[shape].faster and \
-            (p is None or timings[shape].own_us < OWN_FASTER_BY * p.packed_us)
+            return timings[cpu._shape(m)].faster
+        return type(m) is PackedLinear and _beats_packed(timings, m)
 
     return own
+
+
+def _beats_packed(timings: dict[str, ProductTiming], m: nn.Module) -> bool:
+    """The own product of ``m``'s shape beats at::linear and, where this machine's packing
+    calibration timed that shape (:func:`gptlab.fast.cpu.known_timing`), the packed product too."""
+    shape = cpu._shape(m)
+    p = cpu.known_timing(shape)
+    return timings[shape].faster and (p is None or timings[shape].own_us < OWN_FASTER_BY * p.packed_us)
+
+
+KEPT_PLAIN = "the C++ decode step multiplies it by its own product (it would not read a packed copy)"
+
+
+def step_keeps_plain(model: nn.Module, batch: int, cache_impl: str | None,
+                     padded: bool) -> Callable[[nn.Module], str | None] | None:
+    """What :func:`gptlab.fast.cpu.decode_plan` takes as ``keep_plain`` for a decode that will run
+    its one-token steps through the C++ step (:func:`native_decode`): a layer it would multiply by
+    its own product even if packed (:func:`_own`: faster than at::linear and than the packed
+    product) is left plain, with :data:`KEPT_PLAIN` as the reason, since packing it would copy its
+    weight for nothing (17-20 ms a call for GPT-2 Mini's shape on the AMD EPYC measured). None
+    where the C++ step will not run: not built, under :func:`disabled`, ``OWN_PRODUCT = "never"``,
+    ``batch`` rows other than 1, ``padded`` rows, a cache other than ``"static"`` (``cache_impl``;
+    None: no cache), or a model it does not reproduce (:func:`why_not`)."""
+    if batch != 1 or padded or cache_impl != "static" or _OFF[0] or OWN_PRODUCT == "never":
+        return None
+    module = _module()
+    if module is None or type(model) is not GPT or why_not(model, StaticKVCache.for_model(model, 1, 1)) is not None:
+        return None
+    if OWN_PRODUCT == "always":
+        return lambda m: KEPT_PLAIN if _laid_out(m) else None
+    timings = products_plan(module, model)
+    return lambda m: KEPT_PLAIN if _laid_out(m) and _beats_packed(timings, m) else None
 
 
 CHUNK_TIMING_ROWS = 8  # a verification of 7 guesses: the chunk size the own product is timed at

@@ -25,7 +25,8 @@ cache (:mod:`gptlab.kvcache`) a decode step only computes the newest token's key
   batch-1 step's time goes mostly into reading the weights, so this is what makes it fast. Where
   the C++ decode step has been built on this machine (``python -m gptlab build-native``), each
   one-token step of a batch-1 decode runs the same operations from C++
-  (:mod:`gptlab.fast.native`). ``fast=False`` runs the model as it is. ``python -m gptlab bench generate`` measures both.
+  (:mod:`gptlab.fast.native`), and the layers it multiplies by its own product are not packed.
+  ``fast=False`` runs the model as it is. ``python -m gptlab bench generate`` measures both.
 * Past ``block_size`` tokens the context is cropped to the last ``block_size`` (nanoGPT's rule);
   from then on each step recomputes the cropped window without the cache (learned positions cannot
   go further), so cached and uncached generation stay identical.
@@ -42,7 +43,7 @@ from torch import Tensor
 
 from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding, packed_layers
-from ..fast.native import native_decode
+from ..fast.native import native_decode, step_keeps_plain
 from ..kvcache import make_cache
 from ..model import check_token_ids
 from .config import GenerationConfig, check_pad, eos_tensor
@@ -122,10 +123,18 @@ class Runner:
             self.positions = self.positions.index_select(0, index)
 
 
-def fast_path(model, fast: bool, steps: int):
+def fast_path(model, fast: bool, steps: int, *, batch: int | None = None, padded: bool = False,
+              cache_impl: str | None = None):
     """``fast=True``: the model's layers packed for a decode of ``steps`` steps on a CPU, for the
-    block (:func:`gptlab.fast.cpu.pack_for_decoding`); ``False``: the model as it is."""
-    return pack_for_decoding(model, steps) if fast else nullcontext()
+    block (:func:`gptlab.fast.cpu.pack_for_decoding`); ``False``: the model as it is. Given the
+    decode's ``batch`` rows, whether they are ``padded`` and its cache (``cache_impl``, None: no
+    cache), the layers the C++ decode step will multiply by its own product stay plain
+    (:func:`gptlab.fast.native.step_keeps_plain`: it would not read their packed copies). Call it
+    with the model in eval mode (the C++ step runs only then)."""
+    if not fast:
+        return nullcontext()
+    keep = None if batch is None else step_keeps_plain(model, batch, cache_impl, padded)
+    return pack_for_decoding(model, steps, keep_plain=keep)
 
 
 class EvalMode:
@@ -180,10 +189,10 @@ def _steps(
 
 def _decoding(model, idx: Tensor, max_new_tokens: int | None, config: GenerationConfig | None, settings: dict,
               attention_mask: Tensor | None,
-              generator: torch.Generator | None) -> tuple[GenerationConfig, Iterator[Tensor], Tensor]:
+              generator: torch.Generator | None) -> tuple[GenerationConfig, Iterator[Tensor], Tensor, dict]:
     """Read and check a call of :func:`generate` / :func:`stream` (their arguments) against the
-    model; return its config, the decode loop and the output buffer (B, T + max_new_tokens), the
-    prompt in its first T columns."""
+    model; return its config, the decode loop, the output buffer (B, T + max_new_tokens), the
+    prompt in its first T columns, and what :func:`fast_path` needs to know of the decode."""
     config = GenerationConfig.build(config, max_new_tokens, **settings)
     if not hasattr(model, "config") or not callable(model):
         raise TypeError(f"model must be a gptlab GPT, got {type(model).__name__}")
@@ -198,7 +207,8 @@ def _decoding(model, idx: Tensor, max_new_tokens: int | None, config: Generation
     B, T = idx.shape
     out = torch.empty(B, T + n, dtype=torch.long, device=idx.device)
     out[:, :T] = idx
-    return config, _steps(model, out, T, config, generator, mask), out
+    decode = dict(batch=B, padded=mask is not None, cache_impl=config.cache if config.use_cache else None)
+    return config, _steps(model, out, T, config, generator, mask), out, decode
 
 
 def stream(model, idx: Tensor, max_new_tokens: int | None = None, config: GenerationConfig | None = None, *,
@@ -210,11 +220,11 @@ def stream(model, idx: Tensor, max_new_tokens: int | None = None, config: Genera
     Stops after ``max_new_tokens`` steps, or once every row has emitted ``eos_token_id``. The
     arguments are checked when ``stream`` is called, not at the first ``next()``.
     """
-    config, steps, _ = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
-    return _stream_steps(model, steps, config.packs, config.max_new_tokens)
+    config, steps, _, decode = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
+    return _stream_steps(model, steps, config.packs, config.max_new_tokens, decode)
 
 
-def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int) -> Iterator[Tensor]:
+def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int, decode: dict) -> Iterator[Tensor]:
     """:func:`stream`'s generator: each step run in inference mode, a copy of its tokens yielded.
     With ``fast``, the layers are packed once and swapped in for each step only: between the
     steps (and once the stream is dropped) the model is its own."""
@@ -223,7 +233,7 @@ def _stream_steps(model, steps: Iterator[Tensor], fast: bool, n: int) -> Iterato
         while True:
             with torch.inference_mode():
                 if fast and packing is None:
-                    packing = packed_layers(model, n)
+                    packing = packed_layers(model, n, keep_plain=step_keeps_plain(model, **decode))
                 with packing.installed() if fast else nullcontext():
                     tok = next(steps, None)
             if tok is None:
@@ -277,9 +287,9 @@ def generate(model, idx: Tensor, max_new_tokens: int | None = None, config: Gene
     Logits holding NaN or only ``-inf`` (a diverged checkpoint) raise ``ValueError`` rather than
     produce token 0.
     """
-    config, steps, out = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
+    config, steps, out, decode = _decoding(model, idx, max_new_tokens, config, settings, attention_mask, generator)
     n = 0
-    with EvalMode(model), torch.inference_mode(), fast_path(model, config.packs, config.max_new_tokens):
+    with EvalMode(model), torch.inference_mode(), fast_path(model, config.packs, config.max_new_tokens, **decode):
         for _ in steps:
             n += 1
     return out[:, : idx.shape[1] + n].clone()
