@@ -364,6 +364,7 @@ def test_bench_speculative_quick_smoke(tmp_path):
     import io
     import json
     from contextlib import redirect_stdout
+    from pathlib import Path
 
     from gptlab.__main__ import main
 
@@ -378,6 +379,12 @@ def test_bench_speculative_quick_smoke(tmp_path):
     assert data["machine"] in buf.getvalue()
     assert data["decode_steps"]["draft"].startswith("the Python decode step")  # the test suite's default
     assert data["models"]["draft"]["distilled"] and not data["models"]["target"]["distilled"]
+    # the draft's two stages: the KL for 60 steps, then the total variation for 20, from those weights
+    draft = data["models"]["draft"]
+    assert draft["train_steps"] == 80 and draft["distilled_by"] == "tv"
+    stage2 = json.loads((Path(draft["dir"]) / "bench_done.json").read_text())["train_config"]
+    stage1 = json.loads((Path(stage2["init_from"]) / "bench_done.json").read_text())["train_config"]
+    assert (stage1["max_steps"], stage1["distill_divergence"], stage1["init_from"]) == (60, "kl", None)
     for mode in ("greedy", "T=1"):
         rows = data["modes"][mode]["rows"]
         assert [r["g"] for r in rows] == [2, 3]

@@ -456,6 +456,14 @@ def test_distillation_loss_is_ce_plus_forward_kl(teacher_dir):
         tr.cfg = tr.cfg.with_overrides(distill_weight=1.0)
         with torch.no_grad():
             assert float(tr.batch_loss(tr.teacher, x, y)) == pytest.approx(0.0, abs=1e-6)
+        # "kl+tv" adds the total variation, 1 - sum min(p, q): what a guess loses at temperature 1
+        tr.cfg = tr.cfg.with_overrides(distill_weight=0.3, distill_divergence="kl+tv")
+        with torch.no_grad():
+            tv = 1.0 - torch.minimum(p.probs, q.probs).sum(-1).mean()
+            got = tr.batch_loss(tr.model, x, y)
+            torch.testing.assert_close(got, 0.7 * ce + 0.3 * (kl + tv), atol=1e-5, rtol=1e-5)
+            tr.cfg = tr.cfg.with_overrides(distill_weight=1.0)
+            assert float(tr.batch_loss(tr.teacher, x, y)) == pytest.approx(0.0, abs=1e-6)
     finally:
         tr.close()
 
@@ -476,9 +484,43 @@ def test_distilled_draft_agrees_more_with_its_teacher(teacher_dir, tmp_path):
     assert a_dist > a_plain + 0.01, (a_plain, a_dist)
 
 
+def test_init_from_starts_a_run_from_another_runs_weights(teacher_dir, tmp_path):
+    """A run with init_from starts from that run's weights (a fine-tuning, a draft's second stage);
+    then it trains them. A model of another shape is refused, naming what differs; a checkpoint to
+    resume from wins over init_from."""
+    teacher, _ = load_model(teacher_dir)
+    cfg = small(n_layer=2, n_embd=48, init_from=str(teacher_dir), max_steps=5, eval_interval=5, plot=False)
+    tr = Trainer(cfg, tmp_path / "ft")
+    try:
+        start = tr.model.state_dict()
+        for name, t in teacher.state_dict().items():
+            assert torch.equal(start[name], t), name
+    finally:
+        tr.close()
+    fresh = Trainer(cfg.with_overrides(init_from=None), tmp_path / "fresh")
+    try:
+        assert not torch.equal(fresh.model.state_dict()["lm_head.weight"], teacher.state_dict()["lm_head.weight"])
+    finally:
+        fresh.close()
+    train(cfg, tmp_path / "ft")
+    tuned, _ = load_model(tmp_path / "ft")
+    assert not torch.equal(tuned.state_dict()["lm_head.weight"], teacher.state_dict()["lm_head.weight"])
+    # resuming the run continues it, not init_from's weights
+    train(cfg.with_overrides(max_steps=6), tmp_path / "ft", resume=True)
+    again, _ = load_model(tmp_path / "ft")
+    assert torch.allclose(again.state_dict()["lm_head.weight"], tuned.state_dict()["lm_head.weight"], atol=0.05)
+    assert not torch.equal(again.state_dict()["lm_head.weight"], teacher.state_dict()["lm_head.weight"])
+    with pytest.raises(ValueError, match=r"init_from: the model in .* differs from this run's: n_embd=48 there, 32 here"):
+        Trainer(small(n_layer=2, n_embd=32, init_from=str(teacher_dir)), tmp_path / "other")
+    with pytest.raises(ValueError, match="init_from: cannot load a model from"):
+        Trainer(small(init_from=str(tmp_path / "nowhere")), tmp_path / "out")
+
+
 def test_distillation_bad_teacher_raises_clear_errors(tmp_path, teacher_dir):
     with pytest.raises(ValueError, match="distill_weight must be in"):
         small(distill_weight=1.5)
+    with pytest.raises(ValueError, match=r"distill_divergence must be one of \('kl', 'tv', 'kl\+tv'\), got 'js'"):
+        small(distill_divergence="js")
     with pytest.raises(ValueError, match="cannot load a model from"):
         Trainer(small(teacher=str(tmp_path / "nowhere")), tmp_path / "out")
     with pytest.raises(ValueError, match="block_size"):

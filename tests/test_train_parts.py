@@ -255,3 +255,13 @@ def test_distillation_loss_is_ce_plus_forward_kl_per_position():
         distillation_loss(logits, teacher, ce, 1.5)
     with pytest.raises(ValueError, match=r"\(B, T, V\)"):
         distillation_loss(logits, teacher[:, :3], ce, 0.5)
+    # the total variation, 1/2 sum |p - q| = 1 - sum min(p, q), alone or added to the KL
+    p, q = torch.softmax(teacher, -1), torch.softmax(logits, -1)
+    tv = (1 - torch.minimum(p, q).sum(-1)).mean()
+    torch.testing.assert_close(distillation_loss(logits, teacher, ce, 0.3, "tv"), 0.7 * ce + 0.3 * tv)
+    torch.testing.assert_close(distillation_loss(logits, teacher, ce, 0.3, "kl+tv"), 0.7 * ce + 0.3 * (kl + tv))
+    logits.grad = None
+    distillation_loss(logits, teacher, ce, 1.0, "tv").backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0 and teacher.grad is None
+    with pytest.raises(ValueError, match=r"divergence must be one of \('kl', 'tv', 'kl\+tv'\), got 'js'"):
+        distillation_loss(logits, teacher, ce, 0.5, "js")

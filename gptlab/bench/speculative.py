@@ -10,7 +10,9 @@ The models are course-trained on Tiny Shakespeare characters with :func:`gptlab.
 128, GPT-2-style: LayerNorm, learned positions and GELU cost half of RMSNorm, RoPE and SwiGLU per
 decode step at this size), *distilled* from the target (``TrainConfig.teacher``: it learns the
 target's next-token distributions, so it guesses what the target would sample more often than a
-draft trained on the text alone). They are trained on first use (with a progress bar) and cached
+draft trained on the text alone), in two stages: the KL first, then, from those weights
+(``TrainConfig.init_from``), the total variation, one minus the probability that a guess is kept at
+temperature 1 (``distill_divergence="tv"``). They are trained on first use (with a progress bar) and cached
 under ``--models`` (default ``<gptlab cache>/bench-speculative``, one folder per training
 configuration), so later runs only measure. Prompts are slices of the validation text.
 
@@ -49,25 +51,37 @@ _GPT2 = dict(norm="layernorm", mlp="gelu", pos_emb="learned")
 _COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, min_lr=2e-4, warmup_steps=30,
                eval_tokens=32768, eval_batch_size=64, plot=False, progress=True)
 PRESETS: dict[str, dict[str, dict]] = {
-    # a few minutes on an idle 2-core CPU (about 2 for the target, 5 for the draft). The draft's 3000
-    # steps: its decode step costs the same however long it trained, and distilling it twice as long
-    # as first set raised alpha at T = 1 from 0.856 to 0.894 (tokens per target pass at g = 8: 5.02 ->
-    # 5.73 over 16 prompts); 6000 steps gave no more (0.890), nor did a second block (0.871, at 1500)
+    # about 13 minutes on an idle 2-core CPU (2 for the target, 5.5 for each of the draft's stages). A
+    # draft's decode step costs the same however long it trained; what counts is how often the target
+    # keeps its guesses. Distilling by the KL for 3000 steps instead of 1500 raised alpha at T = 1 from
+    # 0.856 to 0.894 over 16 prompts; a second block (0.871 at 1500 steps) or width 256 (0.872) cost
+    # more per guess. Over 128 prompts at g = 12: the KL for 3000 steps 0.881 (6.34 tokens a target
+    # pass), for 6000 steps 0.885 (6.53), 3000 steps of the KL then 3000 of the total variation 0.896 (6.81)
     "default": {
         "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=800),
         "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=3000, lr=5e-3, min_lr=5e-4, **_GPT2,
-                      distill=True),
+                      distill=True, then=dict(max_steps=3000, lr=2e-3, min_lr=2e-4, weight_decay=0.0,
+                                                distill_divergence="tv")),
     },
     # a smoke test: seconds
     "quick": {
         "target": dict(n_layer=2, n_head=2, n_embd=64, max_steps=60, eval_tokens=4096),
-        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=60, eval_tokens=4096, **_GPT2, distill=True),
+        "draft": dict(n_layer=1, n_head=2, n_embd=32, max_steps=60, eval_tokens=4096, **_GPT2, distill=True,
+                      then=dict(max_steps=20, distill_divergence="tv")),
     },
 }
 
 
-def _train_config(preset: str, role: str, teacher: str | None = None, device: str = "cpu"):
+def _train_config(preset: str, role: str, teacher: str | None = None, device: str = "cpu", *,
+                  init_from: str | None = None):
+    """The TrainConfig of ``preset``'s ``role``; with ``init_from`` (the first stage's folder), its
+    second stage (the spec's ``then``: overrides of the first, starting from those weights)."""
     spec = dict(PRESETS[preset][role])
+    then = spec.pop("then", None)
+    if init_from is not None:
+        if then is None:
+            raise ValueError(f"preset {preset!r}: the {role} has one training stage")
+        spec.update(then, init_from=init_from)
     if spec.pop("distill", False):
         if teacher is None:
             raise ValueError(f"preset {preset!r}: the {role} is distilled and needs the target's folder")
@@ -97,24 +111,41 @@ def trained_models(preset: str = "default", models_dir: str | os.PathLike | None
     root = Path(models_dir) if models_dir else cache_dir() / "bench-speculative"
     models, info = {}, {}
     for role in ("target", "draft"):  # the target first: the draft learns from it
-        cfg = _train_config(preset, role, teacher=info["target"]["dir"] if role == "draft" else None,
-                            device=device)
-        same = {**cfg.to_dict(), "device": "cpu"}  # one cache entry whatever the device trained it
-        key = hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:12]
-        out = root / f"{role}-{key}"
-        done = out / "bench_done.json"
-        if not done.is_file():
-            print(f"training the {role} ({cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.max_steps} steps) into {out}")
-            summary = train(cfg, out, resume=True)  # resumes an interrupted run
-            _write_json_atomic(done, {"train_config": cfg.to_dict(), "summary": summary})
+        teacher = info["target"]["dir"] if role == "draft" else None
+        cfg = _train_config(preset, role, teacher, device)
+        out = _trained(cfg, role, root)
+        steps = cfg.max_steps
+        if "then" in PRESETS[preset][role]:  # a second stage, from the first one's weights
+            cfg = _train_config(preset, role, teacher, device, init_from=str(out))
+            out = _trained(cfg, role, root)
+            steps += cfg.max_steps
         model, _tok = load_model(out, device=device)
         models[role] = model.eval()
-        meta = json.loads(done.read_text())
+        meta = json.loads((out / "bench_done.json").read_text())
         info[role] = {"dir": str(out), "params": model.num_params(), "n_layer": cfg.model.n_layer, "n_embd": cfg.model.n_embd,
-                      "train_steps": cfg.max_steps, "val_loss": meta["summary"].get("val_loss"),
+                      "train_steps": steps, "val_loss": meta["summary"].get("val_loss"),
                       "style": "Llama" if cfg.model.norm == "rmsnorm" else "GPT-2",
-                      "distilled": cfg.teacher is not None}
+                      "distilled": cfg.teacher is not None,
+                      **({"distilled_by": cfg.distill_divergence} if cfg.teacher is not None else {})}
     return models["target"], models["draft"], info
+
+
+def _trained(cfg, role: str, root: Path) -> Path:
+    """The folder of a model trained with ``cfg``, trained now (on cfg.device) if it is not cached
+    yet: ``root/<role>-<hash of the config>``."""
+    same = {**cfg.to_dict(), "device": "cpu"}  # one cache entry whatever the device trained it
+    for name, default in (("distill_divergence", "kl"), ("init_from", None)):  # fields newer than the
+        if same.get(name) == default:  # first cached models, at their defaults: those entries stay valid
+            same.pop(name, None)
+    key = hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    out = root / f"{role}-{key}"
+    done = out / "bench_done.json"
+    if not done.is_file():
+        start = f", from {Path(cfg.init_from).name}" if cfg.init_from else ""
+        print(f"training the {role} ({cfg.model.n_layer} layers x {cfg.model.n_embd}, {cfg.max_steps} steps{start}) into {out}")
+        summary = train(cfg, out, resume=True)  # resumes an interrupted run
+        _write_json_atomic(done, {"train_config": cfg.to_dict(), "summary": summary})
+    return out
 
 
 def _prompts(n: int, length: int = PROMPT_LENGTH) -> list[torch.Tensor]:

@@ -62,6 +62,7 @@ from ..tokenizers import tokenizer_from_dict
 __all__ = [
     "save_checkpoint",
     "load_model",
+    "load_initial_weights",
     "load_checkpoint",
     "resolve_checkpoint",
     "unwrap_model",
@@ -665,3 +666,21 @@ def _read_to_resume(ckpt: Path, raw: GPT | None, with_optimizer: bool, verify: b
     elif verify and TRAIN_STATE_FILE in (cfg.get("sha256") or {}):
         raise CheckpointError(f"{ckpt}: {TRAIN_STATE_FILE} is missing (the manifest {CONFIG_FILE} records it)")
     return raw, tokenizer, tensors, tied, opt_state, train_state
+
+
+def load_initial_weights(model: GPT, path: str | os.PathLike) -> None:
+    """Copy into ``model`` the weights of the run or checkpoint ``path`` (``TrainConfig.init_from``:
+    a fine-tuning run starts from them, a draft distilled in two stages, say). Its model config must
+    be ``model``'s, vocabulary and context included (dropout, a training setting, may differ); else
+    a ``ValueError`` naming the fields that differ."""
+    try:
+        start, _ = load_model(path, device=next(model.parameters()).device)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"TrainConfig.init_from: cannot load a model from {str(path)!r}: {e}") from e
+    a, b = dict(start.config.__dict__, dropout=None), dict(model.config.__dict__, dropout=None)
+    if a != b:
+        diff = {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+        raise ValueError(f"TrainConfig.init_from: the model in {str(path)!r} differs from this run's: "
+                         + ", ".join(f"{k}={x!r} there, {y!r} here" for k, (x, y) in diff.items()))
+    with torch.no_grad():
+        model.load_state_dict(start.state_dict())

@@ -24,6 +24,9 @@ from typing import Any
 
 from ..config import GPTConfig
 
+# what distillation matches the teacher by (gptlab.train.distill): the forward KL, or it plus the total variation
+DIVERGENCES = ("kl", "tv", "kl+tv")
+
 __all__ = ["TrainConfig", "RECIPES", "DATASETS", "MODEL_FIELDS", "get_recipe"]
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(GPTConfig) if f.name != "vocab_size")
@@ -75,7 +78,10 @@ class TrainConfig:
     grad_clip: float | None = 1.0
     # distillation: also match a trained teacher's next-token distributions (a speculative draft)
     teacher: str | None = None  # a run folder or checkpoint (gptlab.train.checkpoint.load_model); None: off
+    # fine-tuning: start from the weights of this run folder or checkpoint (the same model config); None: fresh
+    init_from: str | None = None
     distill_weight: float = 1.0  # loss = (1 - w) * cross-entropy + w * KL(teacher || model)
+    distill_divergence: str = "kl"  # "kl", or "kl+tv": the KL plus the total variation (gptlab.train.distill)
     # evaluation, logging, checkpoints
     eval_interval: int = 250
     eval_tokens: int | None = None  # None: the whole validation split
@@ -225,6 +231,8 @@ def _validate(c: TrainConfig) -> None:
          f"checkpoint_interval must be >= 1 or None, got {c.checkpoint_interval}")
     need(c.target_loss is None or c.target_loss > 0, f"target_loss must be > 0 or None, got {c.target_loss}")
     need(0.0 <= c.distill_weight <= 1.0, f"distill_weight must be in [0, 1], got {c.distill_weight}")
+    need(c.distill_divergence in DIVERGENCES,
+         f"distill_divergence must be one of {DIVERGENCES}, got {c.distill_divergence!r}")
     need(c.num_threads is None or c.num_threads >= 1, f"num_threads must be >= 1 or None, got {c.num_threads}")
     need(c.dataset in DATASETS, f"unknown dataset {c.dataset!r}; known: {sorted(DATASETS)}")
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"),

@@ -41,7 +41,7 @@ import torch.nn as nn
 from ..data import get_batch
 from ..files import fsync_path, remove_stale_temps
 from ..model import GPT
-from .checkpoint import save_checkpoint
+from .checkpoint import load_initial_weights, save_checkpoint
 from .config import TrainConfig
 from .distill import distillation_loss, load_teacher
 from .distributed import all_gather_objects, all_mean, barrier, close_distributed, setup_distributed
@@ -104,6 +104,8 @@ class Trainer:
         # its own dropout and batch streams.
         torch.manual_seed(cfg.seed)
         self.model = GPT(cfg.model_config(self.data.vocab_size)).to(self.device)
+        if cfg.init_from is not None:  # fine-tuning (a checkpoint to resume from replaces these weights)
+            load_initial_weights(self.model, cfg.init_from)
         torch.manual_seed(cfg.seed + 1 + self.dist.rank)
         self.generator = torch.Generator().manual_seed(cfg.seed + 1_000_003 * (self.dist.rank + 1))
         self.optimizer = make_optimizer(self.model, cfg, self.device)
@@ -197,7 +199,7 @@ class Trainer:
             return ce
         with torch.no_grad():
             teacher_logits = self.teacher(x)[0]
-        return distillation_loss(logits, teacher_logits, ce, self.cfg.distill_weight)
+        return distillation_loss(logits, teacher_logits, ce, self.cfg.distill_weight, self.cfg.distill_divergence)
 
     def accumulate_gradients(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Forward and backward over micro-batches ``[(x, y), ...]`` (each (b, T)), summing into
