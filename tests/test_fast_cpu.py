@@ -208,11 +208,66 @@ def test_outside_the_block_the_model_is_plain():
         during = m(x)[0]
     torch.testing.assert_close(during, ref, atol=1e-5, rtol=1e-5)
     gc.collect()
-    assert stand_in() is None and blocks() is None  # the packed copies went with the block
+    assert stand_in() is None  # the stand-ins went with the block; the copies' memory is kept, for
+    assert blocks() is not None  # the next packing, until forget_packed_memory frees it
+    assert cpu.forget_packed_memory() > 0
+    gc.collect()
+    assert blocks() is None
     with torch.no_grad():
         assert torch.equal(m(x)[0], ref)  # bit for bit: F.linear, not the packed product
     assert list(m.state_dict()) == keys
     assert type(m.lm_head) is nn.Linear and type(m.transformer.h[0].attn.c_attn) is nn.Linear
+
+
+def test_the_next_packing_writes_into_the_kept_memory_afresh(monkeypatch):
+    """A decode's packed copies are dropped with it but their memory is kept: the layer's next
+    packing writes into it (no page faults), with the weights as they are then (here changed
+    behind autograd's back, through .data). A packing still in use keeps its own; beyond
+    KEEP_PACKED_BYTES nothing is kept; the memory goes with the model."""
+    cpu.forget_packed_memory()
+    m = _model(n_embd=64)
+    layer = m.transformer.h[0].attn.c_attn
+    x = torch.randn(1, 64)
+    with torch.no_grad(), pack_for_decoding(m, select=ALL):
+        first = m.transformer.h[0].attn.c_attn.blocks.weight.data_ptr()
+    gc.collect()
+    with torch.no_grad():
+        layer.weight.data.mul_(-2.0)  # no version bump: only packing afresh sees it
+    with torch.no_grad(), pack_for_decoding(m, select=ALL):
+        packed = m.transformer.h[0].attn.c_attn
+        assert packed.blocks.weight.data_ptr() == first
+        assert torch.equal(packed.blocks.weight, row_blocks(layer.weight, layer.bias, packed.parts).weight)
+        torch.testing.assert_close(packed(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        view = packed.blocks.weight[0]  # a view still holds the memory when the block ends
+    gc.collect()
+    with torch.no_grad(), pack_for_decoding(m, select=ALL):
+        assert m.transformer.h[0].attn.c_attn.blocks.weight.data_ptr() != view.data_ptr()  # not reused
+    del view, packed
+    gc.collect()
+    # memory kept from a decode under inference mode (generate's) cannot be written outside it: new memory
+    cpu.forget_packed_memory()
+    with torch.inference_mode(), pack_for_decoding(m, select=ALL):
+        pass
+    gc.collect()
+    assert cpu._SPARE[layer].is_inference()
+    with torch.no_grad(), pack_for_decoding(m, select=ALL):
+        assert not m.transformer.h[0].attn.c_attn.blocks.weight.is_inference()
+    # two packings alive at once (made, not installed) never share memory
+    one, two = cpu.packed_layers(m, select=ALL), cpu.packed_layers(m, select=ALL)
+    ptrs = [{id(orig): new.blocks.weight.data_ptr() for _, _, orig, new in p._swaps} for p in (one, two)]
+    assert ptrs[0].keys() == ptrs[1].keys() and not set(ptrs[0].values()) & set(ptrs[1].values())
+    del one, two
+    gc.collect()
+    kept = weakref.ref(cpu._SPARE[layer])
+    del m, layer
+    gc.collect()
+    assert kept() is None  # the model is gone, and the memory kept for its layers with it
+    monkeypatch.setattr(cpu, "KEEP_PACKED_BYTES", 0)
+    m = _model(n_embd=64)
+    with torch.no_grad(), pack_for_decoding(m, select=ALL):
+        pass
+    gc.collect()
+    assert not any(mod in cpu._SPARE for mod in m.modules())
 
 
 def test_layers_restored_after_an_exception(monkeypatch):
