@@ -15,11 +15,12 @@ is made afresh for each decode and used only while it runs (:func:`pack_for_deco
 swaps the layers in, and puts the originals back after, an exception included), and only where it
 pays off on the machine at hand. Its memory is kept for the layer's next packing, up to
 ``KEEP_PACKED_BYTES`` in all: new memory costs the page faults of its first write
-(:func:`forget_packed_memory` frees it). Where it pays off: :func:`calibrate` times a decode step's product both ways for each of the model's weight
-shapes, once per machine (cached in ``cache_dir() / "fast-cpu.json"`` under the CPU's name, the
-thread count and the torch version), and :func:`decode_plan` packs a layer when its packed product
-is clearly faster and the decode is long enough to pay the packing back. :func:`last_plan` is the
-plan the last decode of this process ran (``python -m gptlab bench generate`` prints it).
+(:func:`forget_packed_memory` frees it). Where it pays off: :func:`calibrate` times a decode
+step's product both ways for each of the model's weight shapes, once per machine (cached in
+``cache_dir() / "fast-cpu.json"`` under the CPU's name, the thread count and the torch version),
+and :func:`decode_plan` packs a layer when its packed product is clearly faster and the decode is
+long enough to pay the packing back. :func:`last_plan` is the plan the last decode of this process
+ran (``python -m gptlab bench generate`` prints it).
 
 Outside a ``pack_for_decoding`` block nothing here changes what a model computes: the model is
 built from ``nn.Linear`` (:mod:`gptlab.layers`, :mod:`gptlab.attention`, :mod:`gptlab.model`, which
@@ -203,8 +204,9 @@ def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, part
 
 # The memory of a layer's packed copy is kept when its PackedLinear is dropped (at the end of a decode),
 # up to this many bytes for all layers together, and the layer's next packing writes into it. New
-# memory costs the page faults of its first write: packing the speculative benchmark's 7.4 MB target
-# took 2.8 ms into new memory, 0.6 ms into kept memory, on the AMD EPYC measured (2 threads).
+# memory costs the page faults of its first write: the copies of the speculative benchmark's 7.4 MB
+# target took 2.7 ms into new memory, 0.6 ms into memory written before, on the AMD EPYC measured
+# (2 threads; its whole pack_for_decoding 3.65 -> 1.52 ms).
 KEEP_PACKED_BYTES = 64 << 20
 _SPARE: "weakref.WeakKeyDictionary[nn.Module, Tensor]" = weakref.WeakKeyDictionary()  # layer -> its kept blocks
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..config import GPTConfig
 
-# what distillation matches the teacher by (gptlab.train.distill): the forward KL, or it plus the total variation
+# what distillation matches the teacher by (gptlab.train.distill): the forward KL, the total variation, or both
 DIVERGENCES = ("kl", "tv", "kl+tv")
 
 __all__ = ["TrainConfig", "RECIPES", "DATASETS", "MODEL_FIELDS", "get_recipe"]
@@ -81,7 +81,7 @@ class TrainConfig:
     # fine-tuning: start from the weights of this run folder or checkpoint (the same model config); None: fresh
     init_from: str | None = None
     distill_weight: float = 1.0  # loss = (1 - w) * cross-entropy + w * KL(teacher || model)
-    distill_divergence: str = "kl"  # "kl", or "kl+tv": the KL plus the total variation (gptlab.train.distill)
+    distill_divergence: str = "kl"  # "kl", "tv" (the total variation) or "kl+tv" (gptlab.train.distill)
     # evaluation, logging, checkpoints
     eval_interval: int = 250
     eval_tokens: int | None = None  # None: the whole validation split

@@ -5,9 +5,10 @@ run: ``(1 - w) CE + w D(teacher, model)`` (:func:`distillation_loss`), the teach
 by :func:`load_teacher`. Chapter 8 trains its distilled draft this way: a draft that guesses like
 its target has more of its guesses accepted.
 
-``D`` is the forward KL by default. ``"tv"`` adds the total variation distance
-``TV(p, q) = 1/2 sum_v |p(v) - q(v)|``, which is exactly what speculative decoding at temperature 1
-loses per guess: a guess drawn from q is accepted with probability ``sum_v min(p(v), q(v)) = 1 - TV``.
+``D`` is the forward KL by default; ``"tv"`` is the total variation distance
+``TV(p, q) = 1/2 sum_v |p(v) - q(v)|`` and ``"kl+tv"`` their sum. The TV is exactly what speculative
+decoding at temperature 1 loses per guess: a guess drawn from q is kept with probability
+``sum_v min(p(v), q(v)) = 1 - TV``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ __all__ = ["distillation_loss", "load_teacher", "DIVERGENCES"]
 def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, ce: torch.Tensor,
                       weight: float, divergence: str = "kl") -> torch.Tensor:
     """``(1 - weight) * ce + weight * KL(teacher || model)``, a 0-d tensor; with
-    ``divergence="kl+tv"``, ``weight * (KL + TV)``.
+    ``divergence="tv"``, ``weight * TV`` instead, with ``"kl+tv"``, ``weight * (KL + TV)``.
 
     logits and teacher_logits (B, T, V): the model's and the teacher's next-token logits for the
     same inputs; ce (0-d): the model's cross-entropy with the true next tokens; weight in [0, 1].
@@ -39,9 +40,11 @@ def distillation_loss(logits: torch.Tensor, teacher_logits: torch.Tensor, ce: to
 
     ``TV = 1/2 sum_v |p_teacher(v) - p_model(v)|`` (averaged over the positions too) is one minus the
     probability that speculative decoding at temperature 1 keeps a guess the model drew; the KL
-    bounds it (Pinsker: ``TV <= sqrt(KL / 2)``) but weighs every token by the teacher's log-ratio,
-    where TV weighs only the probability mass the two put in different places. Adding it raises the
-    acceptance of a small draft a little more than the KL alone does (``bench speculative``).
+    bounds it (Pinsker: ``TV <= sqrt(KL / 2)``). The KL's pull on each logit grows with the gap
+    between the two distributions (``q - p``), the TV's depends only on the gaps' signs: from scratch
+    the KL trains a draft faster, alone or under the TV; after it, as a second stage
+    (``TrainConfig.init_from``), the TV raised a small draft's acceptance more than as many more
+    steps of the KL (``bench speculative``'s draft, ``benchmarks/results/README.md``).
     """
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"weight must be in [0, 1], got {weight}")
@@ -76,4 +79,3 @@ def load_teacher(path: str | os.PathLike, device: torch.device, vocab_size: int,
                          f"the run's ({block_size})")
     teacher.requires_grad_(False)
     return teacher.eval()
-
