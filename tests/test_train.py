@@ -506,6 +506,13 @@ def test_init_from_starts_a_run_from_another_runs_weights(teacher_dir, tmp_path)
     tuned, _ = load_model(tmp_path / "ft")
     assert not torch.equal(tuned.state_dict()["lm_head.weight"], teacher.state_dict()["lm_head.weight"])
     # resuming the run continues it, not init_from's weights
+    resumed = Trainer(cfg.with_overrides(max_steps=6), tmp_path / "ft", resume=True)
+    try:
+        assert resumed.step == 5
+        for name, t in tuned.state_dict().items():
+            assert torch.equal(resumed.model.state_dict()[name], t), name
+    finally:
+        resumed.close()
     train(cfg.with_overrides(max_steps=6), tmp_path / "ft", resume=True)
     again, _ = load_model(tmp_path / "ft")
     assert torch.allclose(again.state_dict()["lm_head.weight"], tuned.state_dict()["lm_head.weight"], atol=0.05)
