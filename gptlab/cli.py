@@ -192,7 +192,8 @@ def _sample_config(args) -> GenerationConfig:
     if args.draft is not None and args.repetition_penalty is not None:
         raise _UsageError("--repetition-penalty is not supported with --draft (speculative decoding "
                           "applies --temperature, --top-k and --top-p only)")
-    return GenerationConfig(sampling=sampling, num_draft_tokens=args.num_draft_tokens, compile=args.compile)
+    return GenerationConfig(sampling=sampling, num_draft_tokens=args.num_draft_tokens, compile=args.compile,
+                            verification=args.verification)
 
 
 def _load(path: str, what: str, device):
@@ -343,6 +344,9 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
                         "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
                    help="guesses per round with --draft (default: %(default)s)")
+    p.add_argument("--verification", choices=("token", "block"), default="token",
+                   help="with --draft, how a round's guesses are judged: one by one or as one block (the same "
+                        "output distribution; block keeps more guesses) (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
                    help="run the decode steps through torch.compile (worth it on a GPU; the first sample "
                         "waits for the compiling)")
@@ -407,7 +411,11 @@ def _bench_speculative_arguments(parser) -> None:
     parser.add_argument("--preset", choices=sorted(bench_speculative.PRESETS), default="default", help="model sizes and training steps")
     parser.add_argument("--models", default=None, metavar="DIR",
                         help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
-    parser.add_argument("--gs", default="1,2,3,4,6,8,10,12", help="comma-separated draft lengths g (the best is often 8-12 with the default draft)")
+    parser.add_argument("--gs", default="1,2,4,8,10,12,14,16",
+                        help="comma-separated draft lengths g (the best is often 12-16 with the default draft)")
+    parser.add_argument("--verification", choices=("block", "token"), default="block",
+                        help="how a round's guesses are judged when sampling: as one block (Sun et al.) or one "
+                             "by one (Leviathan et al.); both keep the target's distribution (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
     parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")

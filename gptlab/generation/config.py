@@ -117,6 +117,10 @@ class GenerationConfig:
             heuristic), ``True`` (stop at ``num_beams`` finished hypotheses), ``"never"``.
         num_draft_tokens: speculative decoding's guesses per round (Hugging Face's
             ``num_assistant_tokens``), an int >= 1.
+        verification: how speculative decoding judges a round's guesses when it samples:
+            ``"token"`` (one by one, stopping at the first rejection: Leviathan et al.) or
+            ``"block"`` (as one block: Sun et al., ICLR 2025; as exact, and it keeps more guesses
+            the longer the round). See :func:`gptlab.generation.speculative.speculative_step`.
 
     A wrong type raises ``TypeError`` and a value out of range ``ValueError``, each naming the
     setting, what was expected and what was given. :meth:`replace` returns a copy with some
@@ -135,6 +139,7 @@ class GenerationConfig:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_draft_tokens: int = 4
+    verification: str = "token"
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -169,6 +174,8 @@ class GenerationConfig:
         g = self.num_draft_tokens
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1, got {g!r}")
+        if self.verification not in ("token", "block"):
+            raise ValueError(f"verification must be 'token' or 'block', got {self.verification!r}")
 
     @property
     def packs(self) -> bool:

@@ -13,6 +13,14 @@ The acceptance rule makes the output distribution *exactly* the target's:
 * on rejection, a token is drawn from the residual ``normalize(max(0, p - q))`` and the round ends;
 * when all ``g`` guesses are accepted, a bonus token is drawn from the target's next distribution.
 
+*Block verification* (Sun et al., ICLR 2025; ``verification="block"``) judges the guesses as one
+block instead of one by one, and keeps the output exactly the target's too. It carries the ratio
+``w_i = min(1, w_(i-1) p(x_i) / q(x_i))`` along the block (``w_0 = 1``), so a guess the target finds
+less likely than the draft can be made up for by later ones it finds more likely; it keeps the
+*last* ``i`` whose test passes (:func:`block_accept_probs`), and draws the correction from
+``max(0, w_i p - q)`` normalised. It never keeps fewer tokens on average, and keeps more the longer
+the block and the better the draft.
+
 ``p`` and ``q`` are the *processed* distributions: the same temperature, top-k and top-p (through
 :func:`gptlab.sampling.process_logits`) are applied to both models' logits, so the output follows
 the distribution the target alone would sample from with those settings. ``temperature=0`` is
@@ -52,12 +60,16 @@ __all__ = [
     "speculative_generate",
     "SpeculativeStats",
     "accept_prob",
+    "block_accept_probs",
     "residual_distribution",
     "speculative_step",
     "expected_tokens_per_pass",
     "expected_tokens_per_round",
     "verify_draft",
+    "VERIFICATIONS",
 ]
+
+VERIFICATIONS = ("token", "block")  # how speculative_step judges a round's guesses
 
 
 def expected_tokens_per_pass(alpha: float, g: int) -> float:
@@ -186,16 +198,52 @@ def accept_prob(p: Tensor, q: Tensor, token: Tensor) -> Tensor:
     return (p.gather(-1, idx) / q.gather(-1, idx)).clamp(max=1.0).squeeze(-1)
 
 
-def residual_distribution(p: Tensor, q: Tensor) -> Tensor:
+def residual_distribution(p: Tensor, q: Tensor, weight: float = 1.0) -> Tensor:
     """Where to draw from after a rejection: ``max(0, p - q)`` normalised, (..., V) -> (..., V).
 
     This is what makes the output follow ``p`` exactly: it adds back the probability that
     ``min(p, q)`` (what acceptance passes on) leaves out. Where ``p == q`` up to rounding (a
-    rejection of probability ~0) it falls back on ``p``.
+    rejection of probability ~0) it falls back on ``p``. Block verification draws from
+    ``max(0, weight * p - q)`` normalised, ``weight`` the block's ratio ``w_i`` where it stopped
+    (:func:`block_accept_probs`; 1 is token verification's).
     """
-    residual = (p - q).clamp_min(0.0)
+    residual = (p - q if weight == 1.0 else weight * p - q).clamp_min(0.0)
     total = residual.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, residual / total.clamp_min(torch.finfo(p.dtype).tiny), p / p.sum(-1, keepdim=True))
+
+
+def block_accept_probs(p: Tensor, q: Tensor, token: Tensor) -> tuple[Tensor, Tensor]:
+    """Block verification's tests (Sun et al., "Block verification accelerates speculative
+    decoding", ICLR 2025): ``(h, w)``, h (g,) and w (g + 1,) floats.
+
+    p (g + 1, V) and q (g, V): the target's and the draft's distributions after each prefix of the
+    guesses token (g,) (int64, drawn from q). ``w_0 = 1`` and ``w_i = min(1, w_(i-1) p_i(x_i) / q_i(x_i))``:
+    how far the block's first ``i`` guesses are, jointly, from being too likely under the draft. Then
+    for ``i < g``, with ``S_i = sum_v max(0, w_i p_(i+1)(v) - q_(i+1)(v))``,
+    ``h_i = S_i / (S_i + 1 - w_i)`` (1 where both are 0: then ``p_(i+1) = q_(i+1)``), and ``h_g = w_g``.
+    :func:`speculative_step` keeps the first ``i`` guesses for the *last* ``i`` with
+    ``U_i < h_i`` (``U_i`` uniform on [0, 1)), none if there is none, and draws the round's own token
+    from :func:`residual_distribution` ``(p_i, q_i, w_i)``, or from ``p_g`` after all ``g``.
+    """
+    h, w = _block_tests(p, q, token)
+    return torch.tensor(h, dtype=p.dtype, device=p.device), torch.tensor(w, dtype=p.dtype, device=p.device)
+
+
+def _block_tests(p: Tensor, q: Tensor, token: Tensor) -> tuple[list[float], list[float]]:
+    """:func:`block_accept_probs` as two lists of floats, h (g) and w (g + 1): a round's g floats are
+    read once and the rest is arithmetic on them (a handful of tensor calls, not one per guess)."""
+    g = token.shape[0]
+    idx = token.long().unsqueeze(-1)
+    ratios = (p[:g].gather(-1, idx) / q.gather(-1, idx)).squeeze(-1).tolist()
+    w = [1.0]
+    for r in ratios:  # the cap makes it a loop: w_i = min(1, w_(i-1) r_i)
+        w.append(min(w[-1] * r, 1.0))
+    if g < 2:
+        return w[g:], w
+    w_mid = torch.tensor(w[1:g], dtype=p.dtype, device=p.device).unsqueeze(-1)  # w_1 .. w_(g-1)
+    sums = (w_mid * p[1:g] - q[1:g]).clamp_min_(0.0).sum(-1).tolist()  # S_1 .. S_(g-1)
+    h = [s / (s + 1.0 - wi) if s + 1.0 - wi > 0.0 else 1.0 for s, wi in zip(sums, w[1:g])]
+    return h + [w[g]], w
 
 
 def speculative_step(
@@ -203,6 +251,7 @@ def speculative_step(
     draft_probs: Tensor | None,
     draft_tokens: Tensor,
     generator: torch.Generator | None = None,
+    verification: str = "token",
 ) -> tuple[Tensor, int]:
     """Judge ``g`` draft tokens against the target: the heart of speculative decoding.
 
@@ -214,11 +263,14 @@ def speculative_step(
             ``None`` for greedy decoding (keep guesses while they are the target's argmax).
         draft_tokens: (g,) int64, the draft's guesses ``x_1..x_g``.
         generator: random source for the accept tests and the correction draw.
+        verification: ``"token"`` (each guess kept with :func:`accept_prob`, stopping at the
+            first rejection) or ``"block"`` (the guesses judged as one block,
+            :func:`block_accept_probs`: as exact, and never fewer tokens on average). Greedy
+            decoding ignores it.
 
     Returns:
         ``(accepted_tokens, n_accepted)``: the tokens this round adds, (n_accepted + 1,) int64,
-        i.e. the first ``n_accepted`` guesses (each kept with :func:`accept_prob`, stopping at the
-        first rejection) followed by one token of the target's: drawn from
+        i.e. the first ``n_accepted`` guesses followed by one token of the target's: drawn from
         :func:`residual_distribution` after a rejection, from ``target_probs[g]`` (the bonus) when
         all ``g`` were accepted, or the argmax in the greedy case.
     """
@@ -232,20 +284,29 @@ def speculative_step(
         return torch.cat([draft_tokens[:k], best[k : k + 1]]), k
     if q.shape != (g, p.shape[1]):
         raise ValueError(f"draft_probs must have shape (g, V) = ({g}, {p.shape[1]}), got {tuple(q.shape)}")
+    if verification not in VERIFICATIONS:
+        raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
     dev = generator.device if generator is not None else p.device
     r = torch.rand(g, generator=generator, device=dev).to(p.device)
-    ok = (r < accept_prob(p[:g], q, draft_tokens)).long()  # accept with probability min(1, p/q)
-    k = int(ok.cumprod(0).sum()) if g else 0
-    last = p[g : g + 1] if k == g else residual_distribution(p[k], q[k])[None]
+    weight = 1.0
+    if verification == "block" and g:
+        h, w = _block_tests(p, q, draft_tokens)
+        # keep the guesses up to the last test passed
+        k = max((i + 1 for i, (u, hi) in enumerate(zip(r.tolist(), h)) if u < hi), default=0)
+        weight = w[k]
+    else:
+        ok = (r < accept_prob(p[:g], q, draft_tokens)).long()  # accept with probability min(1, p/q)
+        k = int(ok.cumprod(0).sum()) if g else 0
+    last = p[g : g + 1] if k == g else residual_distribution(p[k], q[k], weight)[None]
     token = _multinomial(last, generator)  # (1,)
     return torch.cat([draft_tokens[:k], token.to(draft_tokens.dtype)]), k
 
 
 def verify_draft(draft_tokens: Tensor, q: Tensor | None, p: Tensor, *,
-                 generator: torch.Generator | None = None) -> tuple[int, Tensor]:
+                 generator: torch.Generator | None = None, verification: str = "token") -> tuple[int, Tensor]:
     """:func:`speculative_step` returning ``(k, token)``: the number of accepted guesses and the
     target's own token (0-d). draft_tokens (g,), q (g, V) or None (greedy), p (g + 1, V)."""
-    tokens, k = speculative_step(p, q, draft_tokens, generator)
+    tokens, k = speculative_step(p, q, draft_tokens, generator, verification)
     return k, tokens[k]
 
 
@@ -309,7 +370,8 @@ def speculative_generate(
             must fit in both models' block size.
         config: a :class:`gptlab.generation.GenerationConfig`; the settings used are
             ``num_draft_tokens`` (``g``, guesses per round, default 4; the last round drafts fewer
-            so that it never overshoots ``max_new_tokens``), ``sampling``'s temperature, top_k
+            so that it never overshoots ``max_new_tokens``), ``verification`` (``"token"``, the
+            default, or ``"block"``: :func:`speculative_step`), ``sampling``'s temperature, top_k
             and top_p (applied to both models' logits, :func:`gptlab.sampling.process_logits`;
             ``temperature=0`` is greedy) and ``fast`` (on a CPU, both models' decode products on
             packed weights where that is faster on this machine, as :func:`gptlab.generate` runs
@@ -410,7 +472,7 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
             tokens, k = speculative_step(tlogits, None, draft_tokens)
         else:
             q_all = torch.cat(qs) if qs else tlogits.new_empty(0, tlogits.shape[-1])  # (g, V)
-            tokens, k = speculative_step(probs(tlogits), q_all, draft_tokens, generator)
+            tokens, k = speculative_step(probs(tlogits), q_all, draft_tokens, generator, config.verification)
         seq[n : n + k + 1] = tokens
         n += k + 1
         stats.drafted.append(g)
