@@ -411,11 +411,12 @@ def _bench_speculative_arguments(parser) -> None:
     parser.add_argument("--preset", choices=sorted(bench_speculative.PRESETS), default="default", help="model sizes and training steps")
     parser.add_argument("--models", default=None, metavar="DIR",
                         help="where trained models are cached (default: <gptlab cache>/bench-speculative)")
-    parser.add_argument("--gs", default="1,2,4,8,10,12,14,16",
-                        help="comma-separated draft lengths g (the best is often 12-16 with the default draft)")
-    parser.add_argument("--verification", choices=("block", "token"), default="block",
-                        help="how a round's guesses are judged when sampling: as one block (Sun et al.) or one "
-                             "by one (Leviathan et al.); both keep the target's distribution (default: %(default)s)")
+    parser.add_argument("--gs", default="1,2,4,8,12,14,16,18,20",
+                        help="comma-separated draft lengths g (the best is often 14-20 with the default draft and block verification)")
+    parser.add_argument("--verification", default="block",
+                        help="how a round's guesses are judged when sampling: 'block' (as one block, Sun et al.), "
+                             "'token' (one by one, Leviathan et al.), or 'block,token' (both, interleaved); both "
+                             "keep the target's distribution (default: %(default)s)")
     parser.add_argument("--new-tokens", type=int, default=100, help="tokens generated per prompt")
     parser.add_argument("--prompts", type=int, default=3, help="prompts (validation-text slices of 16 characters)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
@@ -541,6 +542,9 @@ def _check_bench_speculative(args: argparse.Namespace) -> None:
     _at_least("--prompts", args.prompts, 1)
     _at_least("--rounds", args.rounds, 1)
     _numbers("--temperatures", args.temperatures, float, 0)
+    rules = [v.strip() for v in args.verification.split(",")]
+    if not all(rules) or set(rules) - {"block", "token"}:
+        raise _UsageError(f"--verification must be 'block', 'token' or both comma-separated, got {args.verification!r}")
     _at_least("--threads", args.threads, 1)
     _at_least("--seed", args.seed, 0)
     _device_option("--device", args.device)

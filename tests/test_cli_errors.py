@@ -110,6 +110,31 @@ def test_sample_draft_default_max_new_tokens_fits_the_smaller_block(ckpts, capsy
     assert out.strip() == tok.decode(expected[0].tolist()).strip()
 
 
+def test_sample_draft_block_verification_is_the_library_call(ckpts, capsys):
+    """``sample --draft --verification block`` prints what ``speculative_generate(...,
+    verification="block")`` draws with the same seed (and differs from token verification's draws
+    here, so the option reaches the call)."""
+    from gptlab.generation import speculative_generate
+    from gptlab.train.checkpoint import load_model
+
+    tok = ckpts["tok"]
+    (target, _), (draft, _) = load_model(ckpts["t"]), load_model(ckpts["d"])
+    texts = {}
+    for rule in ("block", "token"):
+        rc, out, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", ckpts["d"], "--prompt", "abc", "--temperature", "1",
+                             "--max-new-tokens", "21", "--num-draft-tokens", "6", "--verification", rule,
+                             "--seed", "3", "--no-stream", "--device", "cpu"], capsys)
+        assert rc == 0, err
+        texts[rule] = out
+    idx = torch.tensor([tok.encode("abc")])
+    want, _ = speculative_generate(target, draft, idx, 21, num_draft_tokens=6, temperature=1.0,
+                                   verification="block", generator=torch.Generator().manual_seed(3))
+    assert tok.decode(want[0].tolist()).strip() in texts["block"]
+    assert texts["block"] != texts["token"]
+    rc, _, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", ckpts["d"], "--verification", "tree"], capsys)
+    assert rc == 2 and "--verification" in err
+
+
 def test_sample_draft_explicit_max_new_tokens_too_large(ckpts, capsys):
     rc, _, err = _run(["sample", "--ckpt", ckpts["t"], "--draft", ckpts["d"], "--prompt", "abc",
                        "--max-new-tokens", "30", "--device", "cpu"], capsys)
@@ -349,6 +374,8 @@ BENCH_MISTAKES = [
     ("speculative", ["--temperatures", "0,hot"], "--temperatures must be comma-separated numbers >= 0, got '0,hot'"),
     ("speculative", ["--temperatures", "-1"], "--temperatures must be comma-separated numbers >= 0, got '-1'"),
     ("speculative", ["--temperatures", "nan"], "--temperatures must be comma-separated numbers >= 0, got 'nan'"),
+    ("speculative", ["--verification", "tree"], "--verification must be 'block', 'token' or both comma-separated, got 'tree'"),
+    ("speculative", ["--verification", "block,"], "--verification must be 'block', 'token' or both comma-separated, got 'block,'"),
     ("speculative", ["--threads", "0"], "--threads must be >= 1, got 0"),
     ("speculative", ["--seed", "-1"], "--seed must be >= 0, got -1"),
     ("speculative", ["--device", "tpu"], "--device: unknown device 'tpu'"),

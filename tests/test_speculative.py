@@ -373,11 +373,11 @@ def test_bench_speculative_quick_smoke(tmp_path):
     with redirect_stdout(buf):
         rc = main(["bench", "speculative", "--preset", "quick", "--models", str(tmp_path / "models"), "--gs", "2,3",
                    "--new-tokens", "24", "--prompts", "1", "--rounds", "1", "--threads", "1", "--no-native",
-                   "--json", str(out_json), "--plot", str(out_png)])
+                   "--verification", "block,token", "--json", str(out_json), "--plot", str(out_png)])
     assert rc == 0
     data = json.loads(out_json.read_text())
     assert data["machine"] in buf.getvalue()
-    assert data["verification"] == "block"  # the default: the guesses judged as one block
+    assert data["verification"] == ["block", "token"]  # both rules, interleaved
     assert data["decode_steps"]["draft"].startswith("the Python decode step")  # the test suite's default
     assert data["models"]["draft"]["distilled"] and not data["models"]["target"]["distilled"]
     # the draft's two stages: the KL for 60 steps, then the total variation for 20, from those weights
@@ -386,10 +386,11 @@ def test_bench_speculative_quick_smoke(tmp_path):
     stage2 = json.loads((Path(draft["dir"]) / "bench_done.json").read_text())["train_config"]
     stage1 = json.loads((Path(stage2["init_from"]) / "bench_done.json").read_text())["train_config"]
     assert (stage1["max_steps"], stage1["distill_divergence"], stage1["init_from"]) == (60, "kl", None)
-    for mode in ("greedy", "T=1"):
+    for mode, rules in (("greedy", ["block"]), ("T=1", ["block", "token"])):  # greedy: the rule changes nothing
         rows = data["modes"][mode]["rows"]
-        assert [r["g"] for r in rows] == [2, 3]
+        assert [(r["verification"], r["g"]) for r in rows] == [(v, g) for v in rules for g in (2, 3)]
         assert all(0 <= r["acceptance_rate"] <= 1 and r["speedup_best"] > 0 for r in rows)
+    assert "best (token verification)" in buf.getvalue() and "best (block verification)" in buf.getvalue()
     assert out_png.stat().st_size > 1000
 
 

@@ -160,42 +160,45 @@ def _prompts(n: int, length: int = PROMPT_LENGTH) -> list[torch.Tensor]:
 
 
 def _timed_rounds(target, draft, prompts: list[torch.Tensor], gs: list[int], temp: float, n_new: int, args,
-                  device: torch.device, sync) -> tuple[dict, dict]:
-    """The target alone and speculative decoding with each draft length g, interleaved round after
-    round: the seconds of each round (summed over the prompts) and each g's statistics. Greedy
-    speculative output must be the target's own."""
-    times = {"target": [], **{g: [] for g in gs}}  # seconds per round, summed over the prompts
-    stats = {g: [] for g in gs}
+                  device: torch.device, sync, verifications: tuple[str, ...] = ("token",)) -> tuple[dict, dict]:
+    """The target alone and speculative decoding with each draft length g (and each verification
+    rule; greedy decoding runs the first only, the rule does not change it), interleaved round after
+    round: the seconds of each round (summed over the prompts) and each contender's statistics,
+    keyed ``"target"`` and ``(verification, g)``. Greedy speculative output must be the target's own."""
+    contenders = [(v, g) for v in (verifications[:1] if temp == 0 else verifications) for g in gs]
+    times = {"target": [], **{c: [] for c in contenders}}  # seconds per round, summed over the prompts
+    stats = {c: [] for c in contenders}
     for r in range(args.rounds):
         gen = torch.Generator(device=device).manual_seed(args.seed + r)
-        t_round = {"target": 0.0, **{g: 0.0 for g in gs}}
+        t_round = {"target": 0.0, **{c: 0.0 for c in contenders}}
         for idx in prompts:
             t0 = time.perf_counter()
             want = generate(target, idx, n_new, temperature=temp, generator=gen)
             sync()
             t_round["target"] += time.perf_counter() - t0
-            for g in gs:
+            for v, g in contenders:
                 t0 = time.perf_counter()
                 out, st = speculative_generate(target, draft, idx, n_new, num_draft_tokens=g,
-                                               temperature=temp, generator=gen, verification=args.verification)
+                                               temperature=temp, generator=gen, verification=v)
                 sync()
-                t_round[g] += time.perf_counter() - t0
+                t_round[v, g] += time.perf_counter() - t0
                 if temp == 0 and not torch.equal(out, want):
                     raise RuntimeError(f"greedy speculative output (g={g}) differs from the target's own")
-                stats[g].append(st)
-        for k, v in t_round.items():
-            times[k].append(v)
+                stats[v, g].append(st)
+        for k, val in t_round.items():
+            times[k].append(val)
     return times, stats
 
 
-def _mode_figures(times: dict, stats: dict, gs: list[int], temp: float, n_tok: int) -> dict:
-    """One temperature's figures: the target's ms/token, and a row per g (acceptance, speed-up)."""
+def _mode_figures(times: dict, stats: dict, temp: float, n_tok: int) -> dict:
+    """One temperature's figures: the target's ms/token, and a row per contender (verification, g):
+    acceptance, speed-up."""
     base_best, base_med = min(times["target"]), statistics.median(times["target"])
     rows = []
-    for g in gs:
-        s = SpeculativeStats.combine(stats[g])
-        best, med = min(times[g]), statistics.median(times[g])
-        rows.append({"g": g, **s.summary(), "ms_per_token_best": 1e3 * best / n_tok,
+    for v, g in stats:
+        s = SpeculativeStats.combine(stats[v, g])
+        best, med = min(times[v, g]), statistics.median(times[v, g])
+        rows.append({"g": g, "verification": v, **s.summary(), "ms_per_token_best": 1e3 * best / n_tok,
                      "ms_per_token_median": 1e3 * med / n_tok, "speedup_best": base_best / best,
                      "speedup_median": base_med / med})
     return {"temperature": temp, "target_ms_per_token_best": 1e3 * base_best / n_tok,
@@ -206,20 +209,25 @@ def _print_mode(mode: str, figures: dict) -> None:
     rows = figures["rows"]
     print(f"\n{mode}: target alone {figures['target_ms_per_token_best']:.2f} ms/token (best round; median "
           f"{figures['target_ms_per_token_median']:.2f})")
-    print(f"{'g':>3} {'accept':>7} {'alpha':>6} {'tok/pass':>9} {'predicted':>9} {'ms/tok':>7} {'speed-up':>9} {'(median)':>9}")
+    print(f"{'verify':>6} {'g':>3} {'accept':>7} {'alpha':>6} {'tok/pass':>9} {'predicted':>9} {'ms/tok':>7} "
+          f"{'speed-up':>9} {'(median)':>9}")
     for row in rows:
-        print(f"{row['g']:>3} {row['acceptance_rate']:>7.3f} {row['alpha']:>6.3f} "
+        print(f"{row['verification']:>6} {row['g']:>3} {row['acceptance_rate']:>7.3f} {row['alpha']:>6.3f} "
               f"{row['tokens_per_target_forward']:>9.2f} {row['predicted_tokens_per_target_forward']:>9.2f} "
               f"{row['ms_per_token_best']:>7.2f} {row['speedup_best']:>8.2f}x {row['speedup_median']:>8.2f}x")
-    best_row = max(rows, key=lambda r: r["speedup_best"])
-    print(f"best: g={best_row['g']} {best_row['speedup_best']:.2f}x (target >= 2x: "
-          f"{'met' if best_row['speedup_best'] >= 2.0 else 'NOT met'})")
+    for v in dict.fromkeys(r["verification"] for r in rows):
+        best_row = max((r for r in rows if r["verification"] == v), key=lambda r: r["speedup_best"])
+        print(f"best ({v} verification): g={best_row['g']} {best_row['speedup_best']:.2f}x (target >= 2x: "
+              f"{'met' if best_row['speedup_best'] >= 2.0 else 'NOT met'})")
 
 
 def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     gs = [int(g) for g in args.gs.split(",") if g.strip()]
+    verifications = tuple(dict.fromkeys(v.strip() for v in args.verification.split(",") if v.strip()))
+    if not verifications or set(verifications) - {"block", "token"}:
+        raise SystemExit(f"--verification must list 'block' and/or 'token', got {args.verification!r}")
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     if not gs or min(gs) < 1:
         raise SystemExit(f"--gs must list draft lengths >= 1, got {args.gs!r}")
@@ -246,15 +254,15 @@ def run(args) -> int:
     speculative_generate(target, draft, prompts[0], 4, num_draft_tokens=2, temperature=0)
     steps["draft"] = native.last_use()
     print(f"decode steps: the target alone: {steps['target_alone']}; the draft's guesses: {steps['draft']}")
-    print(f"verification: {args.verification} (sampling; 'predicted' is token verification's formula)")
+    print(f"verification when sampling: {', '.join(verifications)} ('predicted' is token verification's formula)")
     results = {"machine": machine_name(), "cpu_settings": cpu_settings(), "device": str(device), "models": info,
                "new_tokens": n_new, "prompts": len(prompts), "rounds": args.rounds, "decode_steps": steps,
-               "verification": args.verification,
+               "verification": list(verifications),
                "native_build_s": build_s, "modes": {}}
     for temp in temps:
         mode = "greedy" if temp == 0 else f"T={temp:g}"
-        times, stats = _timed_rounds(target, draft, prompts, gs, temp, n_new, args, device, sync)
-        results["modes"][mode] = _mode_figures(times, stats, gs, temp, n_new * len(prompts))
+        times, stats = _timed_rounds(target, draft, prompts, gs, temp, n_new, args, device, sync, verifications)
+        results["modes"][mode] = _mode_figures(times, stats, temp, n_new * len(prompts))
         _print_mode(mode, results["modes"][mode])
 
     if args.json:
@@ -274,10 +282,13 @@ def _plot(results: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode, m in results["modes"].items():
-        gs = [r["g"] for r in m["rows"]]
-        ax.plot(gs, [r["speedup_best"] for r in m["rows"]], marker="o", label=f"{mode}: speed-up")
-        ax.plot(gs, [r["tokens_per_target_forward"] for r in m["rows"]], ls="--", marker=".",
-                label=f"{mode}: tokens per target pass")
+        for v in dict.fromkeys(r.get("verification", "token") for r in m["rows"]):
+            rows = [r for r in m["rows"] if r.get("verification", "token") == v]
+            name = mode if mode == "greedy" else f"{mode}, {v}"
+            gs = [r["g"] for r in rows]
+            ax.plot(gs, [r["speedup_best"] for r in rows], marker="o", label=f"{name}: speed-up")
+            ax.plot(gs, [r["tokens_per_target_forward"] for r in rows], ls="--", marker=".",
+                    label=f"{name}: tokens per target pass")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.axhline(2.0, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("draft length g")
