@@ -160,7 +160,7 @@ def _prompts(n: int, length: int = PROMPT_LENGTH) -> list[torch.Tensor]:
 
 
 def _timed_rounds(target, draft, prompts: list[torch.Tensor], gs: list[int], temp: float, n_new: int, args,
-                  device: torch.device, sync, verifications: tuple[str, ...] = ("token",)) -> tuple[dict, dict]:
+                  device: torch.device, sync, verifications: tuple[str, ...] = ("block",)) -> tuple[dict, dict]:
     """The target alone and speculative decoding with each draft length g (and each verification
     rule; greedy decoding runs the first only, the rule does not change it), interleaved round after
     round: the seconds of each round (summed over the prompts) and each contender's statistics,

@@ -31,6 +31,7 @@ from ..sampling import SamplingConfig
 __all__ = ["GenerationConfig", "as_token_id", "eos_tensor", "check_pad"]
 
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
+VERIFICATIONS = ("token", "block")  # how speculative decoding judges a round's guesses (speculative_step)
 
 
 def as_token_id(x: Any) -> int | None:
@@ -174,7 +175,7 @@ class GenerationConfig:
         g = self.num_draft_tokens
         if isinstance(g, bool) or not isinstance(g, int) or g < 1:
             raise ValueError(f"num_draft_tokens must be an int >= 1, got {g!r}")
-        if self.verification not in ("token", "block"):
+        if self.verification not in VERIFICATIONS:
             raise ValueError(f"verification must be 'token' or 'block', got {self.verification!r}")
 
     @property

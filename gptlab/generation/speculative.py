@@ -54,7 +54,7 @@ from ..fast.native import native_decode, step_keeps_plain
 from ..kvcache import StaticKVCache
 from ..model import GPT, check_token_ids
 from ..sampling import sample_from_probs
-from .config import GenerationConfig
+from .config import VERIFICATIONS, GenerationConfig
 
 __all__ = [
     "speculative_generate",
@@ -68,8 +68,6 @@ __all__ = [
     "verify_draft",
     "VERIFICATIONS",
 ]
-
-VERIFICATIONS = ("token", "block")  # how speculative_step judges a round's guesses
 
 
 def expected_tokens_per_pass(alpha: float, g: int) -> float:
@@ -223,7 +221,8 @@ def block_accept_probs(p: Tensor, q: Tensor, token: Tensor) -> tuple[Tensor, Ten
     ``h_i = S_i / (S_i + 1 - w_i)`` (1 where both are 0: then ``p_(i+1) = q_(i+1)``), and ``h_g = w_g``.
     :func:`speculative_step` keeps the first ``i`` guesses for the *last* ``i`` with
     ``U_i < h_i`` (``U_i`` uniform on [0, 1)), none if there is none, and draws the round's own token
-    from :func:`residual_distribution` ``(p_i, q_i, w_i)``, or from ``p_g`` after all ``g``.
+    from :func:`residual_distribution` of the rows after those guesses, ``(p[i], q[i], w_i)``
+    (0-based rows), or from ``p[g]`` after all ``g``.
     """
     h, w = _block_tests(p, q, token)
     return torch.tensor(h, dtype=p.dtype, device=p.device), torch.tensor(w, dtype=p.dtype, device=p.device)
