@@ -41,6 +41,7 @@ from .data import DEFAULT_FETCH, prepare_char_data
 from .device import pick_device
 from .fast import native
 from .generation import GenerationConfig, generate, speculative_generate, stream
+from .generation.config import VERIFICATIONS
 from .interop import smollm
 from .sampling import SamplingConfig
 from .tokenizers import GPT2Tokenizer
@@ -344,7 +345,7 @@ def _sample_arguments(p: argparse.ArgumentParser) -> None:
                         "guessing and --ckpt checking (same output distribution, fewer passes of --ckpt)")
     p.add_argument("--num-draft-tokens", type=int, default=4, metavar="G",
                    help="guesses per round with --draft (default: %(default)s)")
-    p.add_argument("--verification", choices=("token", "block"), default="token",
+    p.add_argument("--verification", choices=VERIFICATIONS, default="token",
                    help="with --draft, how a round's guesses are judged: one by one or as one block (the same "
                         "output distribution; block keeps more guesses) (default: %(default)s)")
     p.add_argument("--compile", action="store_true",
@@ -543,7 +544,7 @@ def _check_bench_speculative(args: argparse.Namespace) -> None:
     _at_least("--rounds", args.rounds, 1)
     _numbers("--temperatures", args.temperatures, float, 0)
     rules = [v.strip() for v in args.verification.split(",")]
-    if not all(rules) or set(rules) - {"block", "token"}:
+    if not all(rules) or set(rules) - set(VERIFICATIONS):
         raise _UsageError(f"--verification must be 'block', 'token' or both comma-separated, got {args.verification!r}")
     _at_least("--threads", args.threads, 1)
     _at_least("--seed", args.seed, 0)

@@ -46,6 +46,7 @@ from ..data import prepare_char_data
 from ..files import atomic_path, atomic_write_text
 from ..fast import native
 from ..generation import SpeculativeStats, generate, speculative_generate
+from ..generation.config import VERIFICATIONS
 from ..train import get_recipe, train
 from . import cpu_settings, machine_name, native_build
 
@@ -226,7 +227,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     gs = [int(g) for g in args.gs.split(",") if g.strip()]
     verifications = tuple(dict.fromkeys(v.strip() for v in args.verification.split(",") if v.strip()))
-    if not verifications or set(verifications) - {"block", "token"}:
+    if not verifications or set(verifications) - set(VERIFICATIONS):
         raise SystemExit(f"--verification must list 'block' and/or 'token', got {args.verification!r}")
     temps = [float(t) for t in args.temperatures.split(",") if t.strip()]
     if not gs or min(gs) < 1:
