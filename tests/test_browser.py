@@ -417,11 +417,15 @@ def test_toc_button_hides_and_shows_the_sidebar_on_a_desktop(site: str, driver: 
 def test_search_finds_a_page(site: str, driver: webdriver.Chrome, screenshots: Path):
     _set_viewport(driver, *WIDTHS["desktop"])
     _open(driver, f"{site}/search.html?q=tokenizer")
+    # Sphinx shows its results one at a time (a timer between each), and writes
+    # the summary line only after the last one: wait for that line, not the first result.
     try:
-        WebDriverWait(driver, 20).until(
-            lambda d: d.find_elements(By.CSS_SELECTOR, "#search-results ul.search li a"))
+        WebDriverWait(driver, 30).until(
+            lambda d: d.find_element(By.CSS_SELECTOR, "#search-results p.search-summary").get_attribute("textContent").strip())
     except TimeoutException:
-        pytest.fail("the search page found nothing for 'tokenizer': " + driver.find_element(By.ID, "search-results").text)
+        pytest.fail("the search page did not finish for 'tokenizer': " + driver.find_element(By.ID, "search-results").text)
+    summary = driver.find_element(By.CSS_SELECTOR, "#search-results p.search-summary").get_attribute("textContent")
     hrefs = [a.get_attribute("href") for a in driver.find_elements(By.CSS_SELECTOR, "#search-results ul.search li a")]
+    assert hrefs, "the search page found nothing for 'tokenizer': " + summary
     assert any("book/intro.html" in h or "book/setup_check.html" in h for h in hrefs), hrefs
     _screenshot(driver, screenshots / "desktop-search-results.png")
