@@ -68,6 +68,39 @@ def test_row_split_linear_equals_f_linear(shape, bias, bag, monkeypatch):
         row_blocks(w, b, 0)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(96, 32), (1024, 192), (12, 7)])
+def test_split_product_reads_the_weight_in_place_and_equals_f_linear(shape, bias):
+    """The batched product over the weight's own row blocks (a view, no copy) equals F.linear for
+    any batch of vectors, contiguous or not, whatever the parts that divide the rows; parts that do
+    not divide them are refused."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(shape, generator=g)
+    b = torch.randn(shape[0], generator=g) if bias else None
+    for parts in (d for d in (1, 2, 3, 4, 6, 8) if shape[0] % d == 0):
+        for lead in ((1, 19), (4,), (2, 3, 5), (1, 1)):
+            x = torch.randn(*lead, shape[1], generator=g)
+            torch.testing.assert_close(cpu.split_product(x, w, b, parts), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+        x = torch.randn(1, shape[1], 9, generator=g).transpose(1, 2)  # (1, 9, in), not contiguous
+        torch.testing.assert_close(cpu.split_product(x, w, b, parts), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    bad = next(d for d in (5, 7, 9, 11) if shape[0] % d)
+    with pytest.raises(ValueError, match=f"parts dividing the weight's {shape[0]} rows"):
+        cpu.split_product(torch.randn(2, shape[1]), w, b, bad)
+
+
+def test_which_layers_chunks_read_in_place(monkeypatch):
+    """Float32 layers on the CPU, plain or packed, of at least SMALLEST_MEASURED numbers, whose rows
+    the thread blocks divide; none with SPLIT_CHUNKS off."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # 4 blocks
+    big, small, odd = nn.Linear(192, 1024), nn.Linear(32, 96), nn.Linear(192, 130)
+    assert cpu.splits_chunks(big) and cpu.splits_chunks(PackedLinear(big, 4))
+    assert not cpu.splits_chunks(small)  # 3072 numbers: its product is mostly the call
+    assert not cpu.splits_chunks(odd)  # 130 rows in 4 blocks
+    assert not cpu.splits_chunks(nn.Linear(192, 1024).double())
+    monkeypatch.setattr(cpu, "SPLIT_CHUNKS", False)
+    assert not cpu.splits_chunks(big)
+
+
 def test_blocks_product_uses_the_embedding_bag_for_a_few_vectors(monkeypatch):
     """Up to BAG_MAX_ROWS vectors' product is the embedding-bag sum (the fast kernel for them), more
     vectors' the batched product; both equal F.linear (checked above)."""

@@ -319,3 +319,49 @@ def test_decoders_run_chunks_through_the_twin(name, monkeypatch, tmp_path):
     spec, stats = speculative_generate(model, draft, idx, 40, temperature=0, num_draft_tokens=4)
     assert torch.equal(spec, want)
     assert chunks.count(5) == stats.drafted.count(4) > 20  # each verification of 4 guesses (the draft's chunks: <= 2)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
+def test_chunks_read_the_weights_in_place_up_to_rounding(name, monkeypatch, tmp_path):
+    """Layers large enough (gptlab.fast.cpu.splits_chunks) run a chunk of more than BAG_MAX_ROWS
+    tokens through the batched product over their weight's row blocks in place: the logits equal
+    the model's up to float rounding, the cache writes to the last bit (the model's own products
+    with SPLIT_CHUNKS off, and for chunks of 2 or 3 tokens). Speculative decoding's target then
+    skips packing (its verifications are chunks) and gives the target's greedy tokens."""
+    monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
+    wide = dict(n_embd=96, n_head=4)
+    model = _gpt2(scale=3.0, **wide) if name == "gpt2" else _llama(name, scale=3.0, **wide)
+    linears = native._linears(model)
+    split = [m for m in linears if cpu.splits_chunks(m)]
+    assert 0 < len(split) < len(linears)  # lm_head (53 rows) is not split
+    ids = torch.randint(0, 53, (1, 60), generator=torch.Generator().manual_seed(4))
+    for on in (True, False):
+        monkeypatch.setattr(cpu, "SPLIT_CHUNKS", on)
+        with torch.inference_mode():
+            ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
+            step = native.native_decode(model, got, model.decode)
+            assert native.last_chunk_products(model) == native.last_chunk_products() == \
+                (f"row blocks in place for {len(split)} of {len(linears)} linear layers" if on else "the model's products")
+            t = 0
+            for T in (9, 2, 19, 3, 5):
+                want, logits = model.decode(ids[:, t : t + T], ref, last_only=False), step(ids[:, t : t + T], got, last_only=False)
+                if on and T > cpu.BAG_MAX_ROWS:
+                    torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-5)
+                else:
+                    assert torch.equal(logits, want), (on, T)
+                # the keys and values come from the products, bitwise only where they are the model's
+                torch.testing.assert_close(got.k, ref.k, atol=2e-5, rtol=1e-5)
+                torch.testing.assert_close(got.v, ref.v, atol=2e-5, rtol=1e-5)
+                t += T
+    monkeypatch.setattr(cpu, "SPLIT_CHUNKS", True)
+    keep = native.chunk_keeps_plain(model)
+    assert {m for m in linears if keep(m)} == set(split)
+    draft = _gpt2(seed=1, n_layer=1, scale=3.0) if name == "gpt2" else _llama(name, seed=1, n_layer=1, scale=3.0)
+    from gptlab.generation import speculative as sp
+    with torch.inference_mode(), sp._decode_mode(model, draft, True, 40):
+        packed = [m for m in model.modules() if type(m) is cpu.PackedLinear]
+        assert not any(m.weight is s.weight for m in packed for s in split)  # the split layers stay plain
+    idx = torch.tensor([[2, 4, 6, 8]])
+    want = generate(model, idx, 40, temperature=0, fast=False)
+    spec, stats = speculative_generate(model, draft, idx, 40, temperature=0, num_draft_tokens=6)
+    assert torch.equal(spec, want) and native.last_chunk_products(model).startswith("row blocks in place")

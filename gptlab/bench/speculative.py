@@ -254,7 +254,9 @@ def run(args) -> int:
     steps = {"target_alone": native.last_use()}
     speculative_generate(target, draft, prompts[0], 4, num_draft_tokens=2, temperature=0)
     steps["draft"] = native.last_use()
-    print(f"decode steps: the target alone: {steps['target_alone']}; the draft's guesses: {steps['draft']}")
+    steps["verification_products"] = native.last_chunk_products(target)
+    print(f"decode steps: the target alone: {steps['target_alone']}; the draft's guesses: {steps['draft']}; "
+          f"the target's verifications: {steps['verification_products']}")
     print(f"verification when sampling: {', '.join(verifications)} ('predicted' is token verification's formula)")
     results = {"machine": machine_name(), "cpu_settings": cpu_settings(), "device": str(device), "models": info,
                "new_tokens": n_new, "prompts": len(prompts), "rounds": args.rounds, "decode_steps": steps,

@@ -75,6 +75,7 @@ import shutil
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -518,6 +519,54 @@ def _own_product(module: Any, m: nn.Module) -> Callable[[Tensor], Tensor]:
     return lambda x: matvec(weight, x, bias)
 
 
+def _chunk_products(model: nn.Module, module: Any | None) -> Callable[[nn.Module], Callable[[Tensor], Tensor] | None]:
+    """Which product :meth:`LlamaPythonDecoder.chunk` runs for each linear layer, None for the
+    model's own (see :func:`native_decode`); says so in :func:`last_chunk_products`."""
+    linears = _linears(model)
+    own = (lambda m: False) if module is None else _own_chunks(module, model)  # noqa: E731
+    split = cpu.splits_chunks
+    n_own = sum(bool(own(m)) for m in linears)
+    n_split = sum(bool(split(m)) and not own(m) for m in linears)
+    said = [] if module is None else [f"own product for {n_own} of {len(linears)} linear layers"]
+    if n_split:
+        said.append(f"row blocks in place for {n_split} of {len(linears)} linear layers")
+    _CHUNKS[0] = _CHUNKS_OF[model] = ", ".join(said) or "the model's products"
+
+    def product(m: nn.Module) -> Callable[[Tensor], Tensor] | None:
+        if own(m):
+            return _own_product(module, m)
+        return _split_product(m) if split(m) else None
+
+    return product
+
+
+def _split_product(m: nn.Module) -> Callable[[Tensor], Tensor]:
+    """A layer's product of x (..., in) over its weight's row blocks in place (:func:`gptlab.fast.cpu.split_product`),
+    or as the model computes it (:func:`_product`) for at most ``BAG_MAX_ROWS`` vectors (a batched
+    product of so few runs slower than F.linear's and the packed copy's)."""
+    weight, bias, parts, product = m.weight.detach(), _detached(m.bias), 2 * torch.get_num_threads(), cpu.split_product
+    few, own = cpu.BAG_MAX_ROWS * m.in_features, _product(m)
+    return lambda x: own(x) if x.numel() <= few else product(x, weight, bias, parts)
+
+
+def chunk_keeps_plain(model: nn.Module) -> Callable[[nn.Module], str | None]:
+    """What :func:`gptlab.fast.cpu.decode_plan` takes as ``keep_plain`` for a model that will run
+    chunks only (speculative decoding's target: its verifications): a layer whose chunks would not
+    read a packed copy (the C++ step's own product, :func:`_own_chunks`) or would not run faster
+    from one (they read its weight in place: :func:`gptlab.fast.cpu.splits_chunks`) stays plain, with
+    the reason: speculative decoding's target then skips the packing (1.2-1.6 ms a call for the
+    benchmark's target on the AMD EPYC measured)."""
+    module = None if _OFF[0] else _module()
+    own = _own_chunks(module, model) if module is not None and type(model) is GPT else lambda m: False
+
+    def keep(m: nn.Module) -> str | None:
+        if own(m):
+            return "its chunks run the C++ step's own product (it would not read a packed copy)"
+        return "its chunks read its weight in place (gptlab.fast.cpu.split_product)" if cpu.splits_chunks(m) else None
+
+    return keep
+
+
 def _laid_out(m: nn.Module) -> bool:
     """A plain or packed layer whose plain weight (and bias) the own product can read as they are."""
     return type(m) in (nn.Linear, PackedLinear) and m.weight.is_contiguous() and \
@@ -884,7 +933,8 @@ def native_decode(model: nn.Module, cache: Any,
     tokens (speculative decoding's verification with ``last_only=False``, short prefills) run
     :meth:`LlamaPythonDecoder.chunk` wherever that twin reproduces the model (GPT-2's architecture
     included), to the last bit of ``fallback``'s, or up to float rounding where the chunk's products
-    are the C++ step's own (where it is built and faster: :func:`_own_chunks`). Returns ``fallback`` itself where no
+    are the C++ step's own (where it is built and faster: :func:`_own_chunks`) or batched over the
+    weight's row blocks in place (:func:`gptlab.fast.cpu.splits_chunks`). Returns ``fallback`` itself where no
     step reproduces the model; :func:`last_use` says which step ran, and why not the C++ one. A
     decode of a GPT-2 model that runs the Python twin because nothing is built prints, once per
     process, how to build the C++ step (:func:`hint`); a Llama-style one does not (no build would
@@ -896,14 +946,12 @@ def native_decode(model: nn.Module, cache: Any,
     reason = why_not(model, cache)
     twin_reason = why_not_python(model, cache)
     module = None if _OFF[0] else _module()
-    # a chunk's products by the C++ step's own kernel where it is built and faster (_own_chunks)
+    # a chunk's products: the C++ step's own kernel where it is built and faster (_own_chunks), else
+    # the batched product over the weight's row blocks in place (gptlab.fast.cpu.splits_chunks),
+    # else the model's
     chunk_product = None
-    if twin_reason is None and module is not None:
-        own_chunk, linears = _own_chunks(module, model), _linears(model)
-        chunk_product = lambda m: _own_product(module, m) if own_chunk(m) else None  # noqa: E731
-        _CHUNKS[0] = f"own product for {sum(bool(own_chunk(m)) for m in linears)} of {len(linears)} linear layers"
-    elif twin_reason is None:
-        _CHUNKS[0] = "the model's products"
+    if twin_reason is None:
+        chunk_product = _chunk_products(model, module)
     if reason is not None:
         if twin_reason is not None:
             _STEP[0], _LAST[0] = MODEL_STEP, reason if twin_reason == reason else f"{reason}; for the Python twin: {twin_reason}"
@@ -954,13 +1002,16 @@ def native_decode(model: nn.Module, cache: Any,
 
 
 _CHUNKS: list[str] = [""]  # the products the last chunks ran (last_chunk_products)
+_CHUNKS_OF: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()  # the same, per model
 
 
-def last_chunk_products() -> str:
+def last_chunk_products(model: nn.Module | None = None) -> str:
     """How the chunks of the last decode that could run them (:meth:`LlamaPythonDecoder.chunk`)
-    multiplied by the weights: ``"own product for N of M linear layers"`` where the C++ step is
-    built, ``"the model's products"`` where not ("" before any)."""
-    return _CHUNKS[0]
+    multiplied by the weights, of ``model``'s last such decode if given (speculative decoding's
+    target: its verifications): ``"own product for N of M linear layers"`` where the C++ step is
+    built, then ``"row blocks in place for K of M linear layers"`` where :func:`gptlab.fast.cpu.split_product`
+    runs, ``"the model's products"`` where neither ("" before any)."""
+    return _CHUNKS[0] if model is None else _CHUNKS_OF.get(model, "")
 
 
 NOT_BUILT = "not built on this machine (python -m gptlab build-native)"

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from ..fast.compiled import decode_step
 from ..fast.cpu import pack_for_decoding
-from ..fast.native import native_decode, step_keeps_plain
+from ..fast.native import chunk_keeps_plain, native_decode, step_keeps_plain
 from ..kvcache import StaticKVCache
 from ..model import GPT, check_token_ids
 from ..sampling import sample_from_probs
@@ -412,15 +412,17 @@ def _build_config(config: GenerationConfig | None, max_new_tokens: int | None, s
 def _decode_mode(target, draft, fast: bool, max_new_tokens: int) -> Iterator[None]:
     """For the call: both models in eval mode, and with ``fast`` their decode products on packed
     weights (:func:`gptlab.fast.cpu.pack_for_decoding`), but for the draft's layers that the C++
-    step multiplies by its own product (:func:`gptlab.fast.native.step_keeps_plain`; the target's
-    verification chunks may still read its packed copies); the models are their own again after."""
+    step multiplies by its own product (:func:`gptlab.fast.native.step_keeps_plain`) and the
+    target's layers whose verification chunks would not read a packed copy or run no faster from
+    one (:func:`gptlab.fast.native.chunk_keeps_plain`: the target runs chunks only); the models
+    are their own again after."""
     was_training = [m for m in {id(target): target, id(draft): draft}.values() if m.training]
     for m in was_training:  # no dropout while decoding (checking first: .eval() walks every module)
         m.eval()
     packs = ExitStack()
     try:
         if fast:  # for the call: the originals are back in the finally clause
-            packs.enter_context(pack_for_decoding(target, max_new_tokens))  # its chunks read the packed copies
+            packs.enter_context(pack_for_decoding(target, max_new_tokens, keep_plain=chunk_keeps_plain(target)))
             # the draft's one-token steps (batch 1, a static cache): the layers the C++ step multiplies
             # by its own product stay plain
             packs.enter_context(pack_for_decoding(draft, max_new_tokens,
