@@ -416,6 +416,23 @@ def test_the_plan_follows_the_calibration(monkeypatch):
         cpu.decode_plan(m, parts=0)
 
 
+def test_packing_off_packs_nothing_and_times_nothing(monkeypatch):
+    """Within packing_off() the plan keeps every layer plain (saying why) without calibrating;
+    after it, the calibration decides again."""
+    m = _model(n_embd=128)
+    monkeypatch.setattr(cpu, "calibrate", _timings(100.0, 25.0, 750.0))
+    with cpu.packing_off():
+        monkeypatch.setattr(cpu, "calibrate", lambda model, **kw: pytest.fail("packing_off calibrated"))
+        with cpu.packing_off():  # nested
+            plan = cpu.decode_plan(m, 255)
+        assert plan.packed == [] and cpu.decode_plan(m, 255, select=ALL).packed == []
+        assert all(why == cpu.PACKING_OFF or "under" in why for why in plan.plain.values())
+        with pack_for_decoding(m, 255):
+            assert not any(isinstance(x, PackedLinear) for x in m.modules())
+    monkeypatch.setattr(cpu, "calibrate", _timings(100.0, 25.0, 750.0))
+    assert "transformer.h.0.attn.c_attn" in cpu.decode_plan(m, 255).packed
+
+
 def test_calibration_cache_round_trip(tmp_cache, monkeypatch):
     """The first calibration measures the model's shapes and saves them under this machine's key;
     a new process reads them back instead of measuring; a damaged file is measured again; a cache

@@ -390,6 +390,11 @@ def test_bench_speculative_quick_smoke(tmp_path):
         rows = data["modes"][mode]["rows"]
         assert [(r["verification"], r["g"]) for r in rows] == [(v, g) for v in rules for g in (2, 3)]
         assert all(0 <= r["acceptance_rate"] <= 1 and r["speedup_best"] > 0 for r in rows)
+        # the baseline is the faster way of running the target alone: packed as calibrated, or unpacked
+        m = data["modes"][mode]
+        ways = {"packed as calibrated": m["target_packed_ms_per_token_best"], "unpacked": m["target_unpacked_ms_per_token_best"]}
+        assert m["target_baseline"] == min(ways, key=ways.get) and m["target_ms_per_token_best"] == min(ways.values())
+    assert "verifications: " in buf.getvalue() and "the faster of packed as calibrated" in buf.getvalue()
     assert "best (token verification)" in buf.getvalue() and "best (block verification)" in buf.getvalue()
     assert out_png.stat().st_size > 1000
 

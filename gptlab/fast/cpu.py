@@ -72,6 +72,7 @@ __all__ = [
     "batched_product",
     "split_product",
     "splits_chunks",
+    "packing_off",
 ]
 
 ROW_SPLIT_MAX_ROWS = 32  # packed products for at most this many input vectors (decode steps, short chunks)
@@ -540,19 +541,24 @@ def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None
     plain (the C++ decode step multiplies it by its own product, which does not read a packed
     copy: :func:`gptlab.fast.native.step_keeps_plain`). ``select(name, layer) -> bool`` chooses
     instead, among the layers that can be packed (tests, experiments). ``parts``: row blocks per
-    weight (default twice ``torch.get_num_threads()``).
+    weight (default twice ``torch.get_num_threads()``). Within :func:`packing_off` no layer is packed.
     """
     parts = 2 * torch.get_num_threads() if parts is None else parts
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be None or an int >= 1, got {parts!r}")
     ok, why = _candidates(model)
+    if _NO_PACKING[0]:
+        select = lambda name, m: False  # noqa: E731
+        why_not = PACKING_OFF
+    else:
+        why_not = "not selected"
     plan = Plan(machine_key(), parts, "embedding_bag" if EMBEDDING_BAG_PRODUCT else "bmm", steps, plain=why)
     plan.shapes = {name: _shape(m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     if select is None and ok:
         plan.timings = calibrate(model)
     for name, m in ok:
         if select is not None:
-            reason = None if select(name, m) else "not selected"
+            reason = None if select(name, m) else why_not
         elif m.weight.numel() < SMALLEST_MEASURED:
             reason = f"under {SMALLEST_MEASURED} numbers, not timed (cache-resident, faster whole)"
         else:
@@ -568,6 +574,23 @@ def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None
         else:
             plan.plain[name] = reason
     return plan
+
+
+PACKING_OFF = "packing turned off (gptlab.fast.cpu.packing_off)"
+_NO_PACKING = [0]  # open packing_off() blocks
+
+
+@contextmanager
+def packing_off() -> Iterator[None]:
+    """Within the block, :func:`decode_plan` packs no layer (the reason: ``PACKING_OFF``): decodes
+    multiply by the plain weights. For comparisons: the per-shape calibration times each product
+    alone, and a whole decode step can run faster with fewer packed layers than it chose (``bench
+    speculative`` times its target alone both ways and compares with the faster)."""
+    _NO_PACKING[0] += 1
+    try:
+        yield
+    finally:
+        _NO_PACKING[0] -= 1
 
 
 class Packing:
