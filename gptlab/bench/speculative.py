@@ -27,7 +27,7 @@ acceptance probability), tokens per target forward pass (measured, and predicted
 alone. The target alone runs twice, its layers packed as the calibration chose and none packed
 (:func:`gptlab.fast.cpu.packing_off`), and the faster is the baseline: the calibration times each
 product on its own and can pack layers that slow a whole step down (on the AMD EPYC measured, 24 of
-this target's 25 layers packed ran 0.74 ms a token, none packed 0.6). All contenders run
+this target's 25 layers packed ran 0.62-0.74 ms a token, none packed 0.55-0.59). All contenders run
 interleaved, round after round; the speed-up uses each contender's best round (least disturbed by
 other processes), the median is reported beside it. Greedy outputs are
 checked to equal the target's own greedy output. Target (issue 24): >= 2x at T = 1 on CPU.
@@ -208,7 +208,7 @@ def _mode_figures(times: dict, stats: dict, temp: float, n_tok: int) -> dict:
     acceptance, speed-up. The speed-ups are over the faster way of running the target alone (by
     its best round): its layers packed as the calibration chose, or none packed. The calibration
     times each product alone and can pack more than pays in a whole step: on the AMD EPYC
-    measured, with 24 of the target's 25 layers packed it ran 0.74 ms a token, unpacked 0.6."""
+    measured, with 24 of the target's 25 layers packed it ran 0.62-0.74 ms a token, unpacked 0.55-0.59."""
     base = min(("target", "target_unpacked"), key=lambda k: min(times[k]))
     base_best, base_med = min(times[base]), statistics.median(times[base])
     rows = []
