@@ -282,6 +282,47 @@ def test_the_twin_s_chunks_give_the_model_s_logits_and_cache(name, packed):
             t += T
 
 
+@pytest.mark.parametrize("name", [*LLAMA_CONFIGS, "gpt2"])
+def test_the_lean_chunk_gives_the_model_s_logits_and_cache_up_to_rounding(name, monkeypatch):
+    """Where a chunk's products are not the model's (row blocks in place, the C++ step's own), a
+    chunk of more than BAG_MAX_ROWS tokens runs the lean path (LlamaPythonDecoder._lean_chunk: the
+    outputs block by block, RoPE's multiply-adds, the written-out attention under a float mask,
+    grouped heads as a batch): its logits, all or the last one's, and its cache writes equal
+    ``model.decode``'s up to float rounding, for every architecture the twin takes, with blocks in
+    place for every other layer and a plain product for the rest (both ways of reading outputs)."""
+    model = _gpt2(scale=3.0) if name == "gpt2" else _llama(name, scale=3.0)
+    linears = native._linears(model)
+    P = 2 * torch.get_num_threads()
+
+    def product(m):  # blocks in place for every other layer whose rows P divides (the block's second
+        i = linears.index(m)  # two in every other block), F.linear for the rest
+        if (i + i // 4) % 2 == 0 and m.out_features % P == 0:
+            return native._InPlaceBlocks(m)
+        return lambda x, w=m.weight.detach(), b=m.bias: torch.nn.functional.linear(x, w, b)
+
+    lean = []
+    monkeypatch.setattr(native.LlamaPythonDecoder, "_lean_chunk",
+                        lambda self, *a, f=native.LlamaPythonDecoder._lean_chunk: lean.append(a[0].shape[1]) or f(self, *a))
+    ids = torch.randint(0, 53, (1, 64), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
+        twin = native.LlamaPythonDecoder(model, got, product)
+        assert any(type(product(m)) is native._InPlaceBlocks for m in linears)
+        t = 0
+        for T, last_only in CHUNKS:
+            want = model.decode(ids[:, t : t + T], ref, last_only=last_only)
+            logits = twin.chunk(ids[:, t : t + T], got.length, last_only)
+            got.advance(T)
+            assert logits.shape == (1, 1 if last_only else T, 53)
+            torch.testing.assert_close(logits.select(1, -1) if last_only else logits, want, atol=3e-5, rtol=1e-5)
+            torch.testing.assert_close(got.k, ref.k, atol=3e-5, rtol=1e-5)
+            torch.testing.assert_close(got.v, ref.v, atol=3e-5, rtol=1e-5)
+            ref.k.copy_(got.k)  # the next chunk reads the same keys and values in both
+            ref.v.copy_(got.v)
+            t += T
+    assert lean == [T for T, _ in CHUNKS if T > cpu.BAG_MAX_ROWS]
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
 def test_decoders_run_chunks_through_the_twin(name, monkeypatch, tmp_path):
     """``native_decode`` runs chunks of 2 to CHUNK_MAX_TOKENS tokens through the twin's chunk (with
@@ -324,9 +365,9 @@ def test_decoders_run_chunks_through_the_twin(name, monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
 def test_chunks_read_the_weights_in_place_up_to_rounding(name, monkeypatch, tmp_path):
     """Layers large enough (gptlab.fast.cpu.splits_chunks) run a chunk of more than BAG_MAX_ROWS
-    tokens through the batched product over their weight's row blocks in place: the logits equal
-    the model's up to float rounding, the cache writes to the last bit (the model's own products
-    with SPLIT_CHUNKS off, and for chunks of 2 or 3 tokens). Speculative decoding's target then
+    tokens through the batched product over their weight's row blocks in place (and the lean path):
+    the logits and cache writes equal the model's up to float rounding; to the last bit with
+    SPLIT_CHUNKS off, and for chunks of 2 or 3 tokens read from the same cache. Speculative decoding's target then
     skips packing (its verifications are chunks) and gives the target's greedy tokens."""
     monkeypatch.setenv("GPTLAB_CACHE", str(tmp_path))
     wide = dict(n_embd=96, n_head=4)
@@ -349,9 +390,12 @@ def test_chunks_read_the_weights_in_place_up_to_rounding(name, monkeypatch, tmp_
                     torch.testing.assert_close(logits, want, atol=2e-5, rtol=1e-5)
                 else:
                     assert torch.equal(logits, want), (on, T)
-                # the keys and values come from the products, bitwise only where they are the model's
+                # the keys and values come from the products (and RoPE), bitwise only where they are the model's
                 torch.testing.assert_close(got.k, ref.k, atol=2e-5, rtol=1e-5)
                 torch.testing.assert_close(got.v, ref.v, atol=2e-5, rtol=1e-5)
+                if on and T > cpu.BAG_MAX_ROWS:  # the next chunk reads the same keys and values in both
+                    ref.k.copy_(got.k)
+                    ref.v.copy_(got.v)
                 t += T
     monkeypatch.setattr(cpu, "SPLIT_CHUNKS", True)
     keep = native.chunk_keeps_plain(model)

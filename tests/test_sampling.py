@@ -277,9 +277,11 @@ def test_sample_from_probs_draws_what_torch_multinomial_draws():
     probs = torch.softmax(torch.randn(64, 50, generator=g), -1)
     probs[:, :10] = 0.0  # filtered-out tokens
     probs = probs / probs.sum(-1, keepdim=True)
+    buffer = torch.empty_like(probs)  # the noise drawn into a buffer reused from draw to draw
     for seed in range(20):
         want = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(seed))
         got = sample_from_probs(probs, torch.Generator().manual_seed(seed))
         assert got.shape == (64, 1) and got.dtype == torch.int64
         assert torch.equal(got, want)
         assert bool((got >= 10).all())
+        assert torch.equal(sample_from_probs(probs, torch.Generator().manual_seed(seed), buffer), want)

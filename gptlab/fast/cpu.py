@@ -71,6 +71,7 @@ __all__ = [
     "bag_product",
     "batched_product",
     "split_product",
+    "split_blocks",
     "splits_chunks",
     "packing_off",
 ]
@@ -673,12 +674,22 @@ def split_product(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: 
     (out, in), read in place (a view, no copy): x (..., in) -> (..., out). The same dot products,
     equal to ``F.linear``'s up to float rounding. ``parts`` (default ``2 * torch.get_num_threads()``)
     must divide ``out``."""
+    view, bias_view = split_blocks(weight, bias, parts)
+    return _blocks_bmm(x, view, bias_view, weight.shape[0])
+
+
+def split_blocks(weight: Tensor, bias: Tensor | None = None, parts: int | None = None) -> tuple[Tensor, Tensor | None]:
+    """The row blocks :func:`split_product` multiplies by, as views (no copy): weight (out, in) ->
+    (P, in, part), block p the rows ``p * part ..`` transposed, and bias (out,) -> (P, 1, part) (or
+    None); ``P = parts`` (default ``2 * torch.get_num_threads()``) must divide ``out``. ``torch.bmm``
+    of x (T, in) expanded to (P, T, in) by them gives the product's outputs block by block, (P, T,
+    part): output feature ``p * part + j`` of row t at ``[p, t, j]``."""
     P = 2 * torch.get_num_threads() if parts is None else parts
     out, inp = weight.shape
     if isinstance(P, bool) or not isinstance(P, int) or P < 1 or out % P:
         raise ValueError(f"split_product needs parts dividing the weight's {out} rows, got parts={P!r}")
     view = weight.view(P, out // P, inp).transpose(1, 2)  # (P, in, part): block p is rows p*part.., transposed
-    return _blocks_bmm(x, view, None if bias is None else bias.view(P, 1, out // P), out)
+    return view, None if bias is None else bias.view(P, 1, out // P)
 
 
 def splits_chunks(m: nn.Module) -> bool:

@@ -178,12 +178,13 @@ class SpeculativeStats:
 # --------------------------------------------------------------------------- the acceptance step
 
 
-def _multinomial(probs: Tensor, generator: torch.Generator | None) -> Tensor:
+def _multinomial(probs: Tensor, generator: torch.Generator | None, buffer: Tensor | None = None) -> Tensor:
     """One draw per row of ``probs`` (N, V) -> (N,), on the generator's device if one is given
-    (the draws of ``torch.multinomial(probs, 1)``, without its checks: see ``sample_from_probs``)."""
+    (the draws of ``torch.multinomial(probs, 1)``, without its checks: see ``sample_from_probs``,
+    which draws its noise into ``buffer`` where given, on probs' device)."""
     if generator is not None and probs.device != generator.device:
         return sample_from_probs(probs.to(generator.device), generator).squeeze(-1).to(probs.device)
-    return sample_from_probs(probs, generator).squeeze(-1)
+    return sample_from_probs(probs, generator, buffer).squeeze(-1)
 
 
 def accept_prob(p: Tensor, q: Tensor, token: Tensor) -> Tensor:
@@ -442,8 +443,12 @@ def _rounds(target, draft, seq: Tensor, n: int, config: GenerationConfig, genera
     sampling = config.sampling
     greedy = sampling.greedy
 
-    def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
-        return torch.softmax(sampling.process(logits.float()), dim=-1)
+    if sampling.temperature == 1.0 and sampling.top_k is None and sampling.top_p is None:
+        def probs(logits: Tensor) -> Tensor:  # nothing to process (min_p is refused): a guess pays no checks
+            return torch.softmax(logits.float(), dim=-1)
+    else:
+        def probs(logits: Tensor) -> Tensor:  # (N, V) logits -> (N, V) processed distributions
+            return torch.softmax(sampling.process(logits.float()), dim=-1)
 
     # Invariant at the top of each round, with n tokens in seq: the target's cache holds
     # seq[:n-1]; the draft's holds a prefix of it (it lags one token after a full accept).
@@ -490,7 +495,7 @@ def _guesses(decode: Callable[..., Tensor], cache: StaticKVCache, x: Tensor, g: 
     """The draft's ``g`` guesses (g,) after ``x`` (1, t), what its ``cache`` has not seen yet, one
     forward pass each (``decode``: the draft's :meth:`~gptlab.GPT.decode`, maybe compiled):
     arg-maxes without ``probs`` (greedy), else draws from ``probs(logits)``, returned too (each (1, V))."""
-    guesses, qs = [], []
+    guesses, qs, race = [], [], None
     for _ in range(g):
         logits = decode(x, cache)  # (1, V)
         stats.draft_forwards += 1
@@ -499,7 +504,8 @@ def _guesses(decode: Callable[..., Tensor], cache: StaticKVCache, x: Tensor, g: 
         else:
             q = probs(logits)
             qs.append(q)
-            tok = _multinomial(q, generator)
+            race = torch.empty_like(q) if race is None else race  # the draws' noise, one buffer a round
+            tok = _multinomial(q, generator, race)
         guesses.append(tok)
         x = tok.view(1, 1)
     draft_tokens = torch.cat(guesses) if guesses else x.new_empty(0)  # (g,)
