@@ -421,13 +421,14 @@ def _measure(layers: list[nn.Linear], parts: int, rounds: int) -> dict[str, Timi
             for s in count}
 
 
-def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[str, str]]:
+def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[str, str], dict[str, str]]:
     """The model's linear layers that could be packed (plain ``nn.Linear``, float32 weights on the
-    CPU, not the model itself), and the others' reasons."""
-    ok, why = [], {}
+    CPU, not the model itself), the others' reasons, and every linear layer's shape by name."""
+    ok, why, shapes = [], {}, {}
     for name, m in model.named_modules():
         if not isinstance(m, nn.Linear):
             continue
+        shapes[name] = _shape(m)
         w = m.weight
         if not name:
             why[name or "(the model)"] = "the model itself: no parent to swap it in"
@@ -439,7 +440,7 @@ def _candidates(model: nn.Module) -> tuple[list[tuple[str, nn.Linear]], dict[str
             why[name] = f"weights in {w.dtype}, not float32"
         else:
             ok.append((name, m))
-    return ok, why
+    return ok, why, shapes
 
 
 def calibrate(model: nn.Module, *, refresh: bool = False, rounds: int = 5) -> dict[str, Timing]:
@@ -547,14 +548,14 @@ def decode_plan(model: nn.Module, steps: int | None = None, *, parts: int | None
     parts = 2 * torch.get_num_threads() if parts is None else parts
     if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
         raise ValueError(f"parts must be None or an int >= 1, got {parts!r}")
-    ok, why = _candidates(model)
+    ok, why, shapes = _candidates(model)
     if _NO_PACKING[0]:
         select = lambda name, m: False  # noqa: E731
         why_not = PACKING_OFF
     else:
         why_not = "not selected"
     plan = Plan(machine_key(), parts, "embedding_bag" if EMBEDDING_BAG_PRODUCT else "bmm", steps, plain=why)
-    plan.shapes = {name: _shape(m) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    plan.shapes = shapes
     if select is None and ok:
         plan.timings = calibrate(model)
     for name, m in ok:
@@ -601,11 +602,11 @@ class Packing:
     def __init__(self, model: nn.Module, plan: Plan):
         self.plan = plan
         chosen = set(plan.packed)
-        names = {id(m): name for name, m in model.named_modules()}
         made: dict[int, PackedLinear] = {}
         self._swaps: list[tuple[nn.Module, str, nn.Module, PackedLinear]] = []
         if not chosen:
             return
+        names = {id(m): name for name, m in model.named_modules()}
         for parent in model.modules():
             for attr, child in parent._modules.items():
                 if child is not None and names.get(id(child)) in chosen:
