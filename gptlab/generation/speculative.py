@@ -496,6 +496,13 @@ def _guesses(decode: Callable[..., Tensor], cache: StaticKVCache, x: Tensor, g: 
     forward pass each (``decode``: the draft's :meth:`~gptlab.GPT.decode`, maybe compiled):
     arg-maxes without ``probs`` (greedy), else draws from ``probs(logits)``, returned too (each (1, V))."""
     guesses, qs, race = [], [], None
+    if g and x.shape[1] == 2:
+        # after a full accept the draft is a token behind: that token's one-token step costs less
+        # than a 2-token chunk (a speculative call at g = 16 on the AMD EPYC measured: 1.7-4.6%
+        # shorter, best and median of 12 interleaved rounds)
+        decode(x[:, :1], cache)
+        stats.draft_forwards += 1
+        x = x[:, 1:]
     for _ in range(g):
         logits = decode(x, cache)  # (1, V)
         stats.draft_forwards += 1
