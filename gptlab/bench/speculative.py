@@ -62,16 +62,18 @@ _GPT2 = dict(norm="layernorm", mlp="gelu", pos_emb="learned")
 _COMMON = dict(block_size=128, batch_size=16, dropout=0.0, bias=False, lr=2e-3, min_lr=2e-4, warmup_steps=30,
                eval_tokens=32768, eval_batch_size=64, plot=False, progress=True)
 PRESETS: dict[str, dict[str, dict]] = {
-    # about 13 minutes on an idle 2-core CPU (2 for the target, 5.5 for each of the draft's stages). A
-    # draft's decode step costs the same however long it trained; what counts is how often the target
-    # keeps its guesses. Distilling by the KL for 3000 steps instead of 1500 raised alpha at T = 1 from
-    # 0.856 to 0.894 over 16 prompts; a second block (0.871 at 1500 steps) or width 256 (0.872) cost
-    # more per guess. Over 128 prompts at g = 12: the KL for 3000 steps 0.881 (6.34 tokens a target
-    # pass), for 6000 steps 0.885 (6.53), 3000 steps of the KL then 3000 of the total variation 0.896 (6.81)
+    # about 18 minutes on an idle 2-core CPU (2 for the target, 5.5 for the draft's first stage, 10 for
+    # its second). A draft's decode step costs the same however long it trained; what counts is how
+    # often the target keeps its guesses. Distilling by the KL for 3000 steps instead of 1500 raised
+    # alpha at T = 1 from 0.856 to 0.894 over 16 prompts; a second block (0.871 at 1500 steps) or width
+    # 256 (0.872) cost more per guess. Over 128 prompts at g = 12: the KL for 3000 steps 0.881 (6.34
+    # tokens a target pass), for 6000 steps 0.885 (6.53), 3000 steps of the KL then 3000 of the total
+    # variation 0.896 (6.81). Over 64 prompts of 100 tokens at g = 16 (block verification): the total
+    # variation for 3000 steps 0.920 (8.44 tokens a target pass), for 6000 steps 0.929 (8.95)
     "default": {
         "target": dict(n_layer=6, n_head=6, n_embd=192, max_steps=800),
         "draft": dict(n_layer=1, n_head=4, n_embd=128, max_steps=3000, lr=5e-3, min_lr=5e-4, **_GPT2,
-                      distill=True, then=dict(max_steps=3000, lr=2e-3, min_lr=2e-4, weight_decay=0.0,
+                      distill=True, then=dict(max_steps=6000, lr=2e-3, min_lr=2e-4, weight_decay=0.0,
                                                 distill_divergence="tv")),
     },
     # a smoke test: seconds

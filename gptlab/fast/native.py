@@ -44,11 +44,13 @@ How it is used.
 * A chunk of 2 to ``CHUNK_MAX_TOKENS`` (32) tokens of a model the twin reproduces, GPT-2's
   included, runs :meth:`LlamaPythonDecoder.chunk`, :meth:`gptlab.GPT.decode`'s calls for several
   tokens without the modules (to the last bit again): speculative decoding's verification of the
-  draft's guesses (one call, every position's logits), a short prompt's prefill, the draft catching
-  up after a full accept. Where the C++ step is built, the chunk multiplies by its own product
+  draft's guesses (one call, every position's logits), a short prompt's prefill. Where the C++ step is built, the chunk multiplies by its own product
   (``matvec`` on several vectors) wherever a one-time timing at ``CHUNK_TIMING_ROWS`` rows finds it
   faster than the model's product (:func:`time_chunk_products`; :func:`last_chunk_products` says how
-  many layers): the logits then equal the model's up to float rounding.
+  many layers), and elsewhere over the weight's row blocks in place (:func:`gptlab.fast.cpu.split_product`)
+  where that is faster: the logits then equal the model's up to float rounding, and such a chunk of
+  more than ``BAG_MAX_ROWS`` tokens runs the same arithmetic in fewer calls
+  (:meth:`LlamaPythonDecoder._lean_chunk`).
 * Anything else (a longer prefill, a batch, a padded prompt, a sliding window, post-norm blocks,
   the written-out attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
 * Without a build, the same one-token steps run :class:`PythonDecoder`, the C++ step's twin in
@@ -776,7 +778,7 @@ class LlamaPythonDecoder:
         # Where some product is not the model's, a chunk of more than BAG_MAX_ROWS tokens equals the
         # model's up to float rounding only, and runs the lean path (_lean_chunk)
         self.lean = bool(others)
-        self.scale, self.half = 1.0 / math.sqrt(hd), hd // 2
+        self.scale = 1.0 / math.sqrt(hd)  # the fused attention's default
 
     def step(self, idx: Tensor, pos: int) -> Tensor:
         """The token idx (1, 1) at position ``pos`` (the cache holds 0 .. pos - 1) -> next-token
@@ -812,12 +814,13 @@ class LlamaPythonDecoder:
         with ``last_only``; writes their keys and values at slots ``pos .. pos + T - 1``.
 
         Speculative decoding's verification (the last token and the draft's guesses in one pass), a
-        short prompt's prefill, the draft catching up after a full accept: :meth:`gptlab.GPT.decode`'s
-        calls for T tokens, in its order, to the last bit, without the modules between them (the
-        causal slot mask made once, the heads as views of ``c_attn``'s product, RoPE's rows
-        ``pos .. pos + T - 1``, PyTorch's fused attention under the mask, the norms and products of
-        :meth:`step` on T rows); with ``chunk_product`` given, its products instead (the logits then
-        equal the model's up to float rounding)."""
+        short prompt's prefill: :meth:`gptlab.GPT.decode`'s calls for T tokens, in its order, to the
+        last bit, without the modules between them (the causal slot mask made once, the heads as
+        views of ``c_attn``'s product, RoPE's rows ``pos .. pos + T - 1``, PyTorch's fused attention
+        under the mask, the norms and products of :meth:`step` on T rows); with ``chunk_product``
+        given, its products instead (the logits then equal the model's up to float rounding), and
+        where one of them is not the model's, for more than ``BAG_MAX_ROWS`` tokens, the same
+        arithmetic in fewer calls (:meth:`_lean_chunk`)."""
         T = idx.shape[1]
         if self.lean and T > cpu.BAG_MAX_ROWS:
             return self._lean_chunk(idx, pos, last_only)
@@ -861,8 +864,8 @@ class LlamaPythonDecoder:
           verification) this took 15 us against 22 for PyTorch's fused CPU kernel under a bool mask
           on the AMD EPYC measured.
 
-        A 15-token verification of ``bench speculative``'s target took 1128 against 1301 us there
-        (best of 300; medians 1229 and 1420)."""
+        A 15-token verification of ``bench speculative``'s target took 1161 against 1278 us there
+        (best of 400, alternating; medians 1230 and 1349)."""
         T = idx.shape[1]
         end, C, nh, nkv, groups, hd = pos + T, self.C, self.nh, self.nkv, self.groups, self.heads[3]
         x = torch.embedding(self.wte, idx).view(T, C)
