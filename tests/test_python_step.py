@@ -282,22 +282,24 @@ def test_the_twin_s_chunks_give_the_model_s_logits_and_cache(name, packed):
             t += T
 
 
+@pytest.mark.parametrize("parts", [2, 4])
 @pytest.mark.parametrize("name", [*LLAMA_CONFIGS, "gpt2"])
-def test_the_lean_chunk_gives_the_model_s_logits_and_cache_up_to_rounding(name, monkeypatch):
+def test_the_lean_chunk_gives_the_model_s_logits_and_cache_up_to_rounding(name, parts, monkeypatch):
     """Where a chunk's products are not the model's (row blocks in place, the C++ step's own), a
     chunk of more than BAG_MAX_ROWS tokens runs the lean path (LlamaPythonDecoder._lean_chunk: the
     outputs block by block, RoPE's multiply-adds, the written-out attention under a float mask,
     grouped heads as a batch): its logits, all or the last one's, and its cache writes equal
     ``model.decode``'s up to float rounding, for every architecture the twin takes, with blocks in
-    place for every other layer and a plain product for the rest (both ways of reading outputs)."""
+    place for every other layer and a plain product for the rest (both ways of reading outputs), in
+    two row blocks or four (SwiGLU's c_fc then in four too: its halves reordered)."""
     model = _gpt2(scale=3.0) if name == "gpt2" else _llama(name, scale=3.0)
     linears = native._linears(model)
-    P = 2 * torch.get_num_threads()
+    monkeypatch.setattr(native, "SWIGLU_TWO_BLOCKS_THREADS", 0 if parts == 4 else 1 << 10)
 
-    def product(m):  # blocks in place for every other layer whose rows P divides (the block's second
-        i = linears.index(m)  # two in every other block), F.linear for the rest
-        if (i + i // 4) % 2 == 0 and m.out_features % P == 0:
-            return native._InPlaceBlocks(m)
+    def product(m):  # blocks in place for every other layer whose rows divide in parts (the block's
+        i = linears.index(m)  # second two in every other block), F.linear for the rest
+        if (i + i // 4) % 2 == 0 and m.out_features % parts == 0:
+            return native._InPlaceBlocks(m, parts)
         return lambda x, w=m.weight.detach(), b=m.bias: torch.nn.functional.linear(x, w, b)
 
     lean = []

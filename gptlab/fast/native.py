@@ -705,6 +705,11 @@ _gelu_ = torch._C._nn.gelu_  # in place: the kernel of F.gelu, the same bits
 _silu = torch.nn.functional.silu
 
 
+# Up to this many threads a SwiGLU's c_fc multiplies its chunks in two row blocks (the gate's and the
+# up projection's) rather than in 2 * threads (LlamaPythonDecoder)
+SWIGLU_TWO_BLOCKS_THREADS = 2
+
+
 class LlamaPythonDecoder:
     """The Python twin of :meth:`gptlab.GPT.decode`'s one-token step for the pre-norm architectures
     the C++ step does not reproduce (:func:`why_not_python`): Llama's block (RoPE, RMSNorm, SwiGLU,
@@ -768,7 +773,7 @@ class LlamaPythonDecoder:
         self.chunk_products = [tuple(for_chunks(m) for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
                                for b in t.h]
         self.chunk_head = for_chunks(model.lm_head)
-        if self.swiglu and torch.get_num_threads() <= 2:
+        if self.swiglu and torch.get_num_threads() <= SWIGLU_TWO_BLOCKS_THREADS:
             # SwiGLU's c_fc in two row blocks, the gate's and the up projection's, on up to two threads
             # as fast as in four (1024 x 192 by 15 vectors: 41 us either way on the AMD EPYC measured):
             # the lean path then multiplies one by the other as they are (4 us against 7 with the
