@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["rope_cache", "apply_rope", "apply_rope_train", "rope_qkv_train"]
+__all__ = ["rope_cache", "apply_rope", "apply_rope_into", "apply_rope_train", "rope_qkv_train"]
 
 
 def rope_cache(
@@ -81,6 +81,16 @@ def _eager_cpu(x: Tensor) -> bool:
     ``torch.compile`` fuses the plain formula itself (it would break its graph at their ``out=``
     writes into strided views)."""
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def apply_rope_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """:func:`apply_rope`'s rotation of x (..., T, D) written into ``out`` (x's shape, any strides)
+    and returned: ``x * cos``, then the halves' multiply-adds (``- x2 sin1`` and ``+ x1 sin2``),
+    three calls where :func:`apply_rope` makes five and builds the rotated copy ``[-x2, x1]``. The
+    same numbers up to float rounding (a multiply-add may round once), not bit for bit: for code
+    that already accepts rounding, such as :meth:`gptlab.fast.native.LlamaPythonDecoder.chunk`'s
+    lean path."""
+    return _rotate_into(out, x, cos, sin, 1.0)
 
 
 def _rotate_into(out: Tensor, x: Tensor, cos: Tensor, sin: Tensor, sign: float) -> Tensor:

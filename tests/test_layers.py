@@ -153,6 +153,20 @@ def test_rms_norm_training_path_equals_torch():
         assert torch.equal(m(x), F.rms_norm(x, (16,), m.weight, 1e-6))
 
 
+def test_apply_rope_into_writes_apply_rope_s_rotation():
+    """apply_rope_into: apply_rope's rotation, up to float rounding, into any tensor of x's shape
+    (here a strided view, the heads of a fused projection), for any tables."""
+    from gptlab.rope import apply_rope_into
+
+    for cos, sin in (rope_cache(10, 8), (_randn(10, 8), _randn(10, 8))):
+        qkv = _randn(2, 10, 5 * 8)
+        x = qkv.view(2, 10, 5, 8).transpose(1, 2)  # (2, 5, 10, 8), not contiguous
+        out = torch.full((2, 10, 5, 8), float("nan")).transpose(1, 2)
+        assert apply_rope_into(out, x, cos, sin) is out
+        torch.testing.assert_close(out, apply_rope(x, cos, sin))
+        torch.testing.assert_close(apply_rope_into(torch.empty(2, 5, 10, 8), x, cos, sin), apply_rope(x, cos, sin))
+
+
 def test_rope_training_paths_equal_apply_rope():
     """apply_rope_train and rope_qkv_train (the attention's training path) give apply_rope's
     rotation and its gradient, up to float rounding; where no gradient is needed they step aside."""

@@ -94,7 +94,7 @@ from ..kvcache import StaticKVCache
 from ..layers import MLP, LayerNorm, RMSNorm, SwiGLU
 from ..masks import slot_mask
 from ..model import GPT, Block
-from ..rope import _rotate_into, apply_rope
+from ..rope import apply_rope, apply_rope_into
 from . import cpu
 from .cpu import PackedLinear
 
@@ -860,7 +860,7 @@ class LlamaPythonDecoder:
         * a product over row blocks is one ``torch.bmm`` whose outputs stay block by block, (P, T,
           part): the residual add reads them so (no reordering copy), SwiGLU's halves are blocks;
         * RoPE rotates the query and key heads into one buffer in three calls
-          (:func:`gptlab.rope._rotate_into`: multiply-adds, where :func:`~gptlab.rope.apply_rope`
+          (:func:`gptlab.rope.apply_rope_into`: multiply-adds, where :func:`~gptlab.rope.apply_rope`
           negates, concatenates, multiplies twice and adds);
         * the attention is written out, ``softmax(q k^T / sqrt(d) + mask) v`` by ``baddbmm``,
           ``softmax`` and ``bmm``, a float mask made once a chunk (0 where a query may look, ``-inf``
@@ -887,7 +887,7 @@ class LlamaPythonDecoder:
         for (norm_1, norm_2, *_, k_buf, v_buf), (attn, attn_proj, fc, mlp_proj) in zip(self.layers, self.chunk_products):
             heads = _blocks_in_order(_by_blocks(attn, norm_1(x)), T).view(T, n_qk + nkv, hd).transpose(0, 1)
             if self.rope:  # the query and key heads rotated into a buffer of their own
-                qk = _rotate_into(torch.empty(n_qk, T, hd, dtype=x.dtype), heads.narrow(0, 0, n_qk), cos, sin, 1.0)
+                qk = apply_rope_into(torch.empty(n_qk, T, hd, dtype=x.dtype), heads.narrow(0, 0, n_qk), cos, sin)
             else:
                 qk = heads.narrow(0, 0, n_qk)
             k_buf.narrow(2, pos, T).copy_(qk.narrow(0, nh, nkv)[None])
