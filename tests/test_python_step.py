@@ -267,19 +267,27 @@ def test_the_twin_s_chunks_give_the_model_s_logits_and_cache(name, packed):
     """Several tokens in one call (speculative decoding's verification, short prefills): the logits,
     all of them or the last one's, and the cache writes are ``model.decode``'s to the last bit."""
     model = _gpt2() if name == "gpt2" else _llama(name)
-    ids = torch.randint(0, 53, (1, 64), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode(), pack_for_decoding(model, 100, select=lambda n, m: packed):
-        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
-        twin = native.LlamaPythonDecoder(model, got)
-        t = 0
-        for T, last_only in CHUNKS:
-            want = model.decode(ids[:, t : t + T], ref, last_only=last_only)
-            logits = twin.chunk(ids[:, t : t + T], got.length, last_only)
-            got.advance(T)
-            assert logits.shape == (1, 1 if last_only else T, 53)
-            assert torch.equal(logits.select(1, -1) if last_only else logits, want), (T, last_only)
+        for T, logits, want, got, ref in _chunks_beside_the_model(model):
+            assert torch.equal(logits, want), T
             assert torch.equal(got.k, ref.k) and torch.equal(got.v, ref.v)
-            t += T
+
+
+def _chunks_beside_the_model(model, product=None):
+    """The twin's chunks of CHUNKS (``product``: its chunk products) and ``model.decode``'s of the
+    same tokens, each into a cache of its own: yields ``(T, logits, want, got, ref)`` after each,
+    the logits those ``decode`` returns (the last one's alone with ``last_only``), the two caches."""
+    ids = torch.randint(0, 53, (1, 64), generator=torch.Generator().manual_seed(3))
+    ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
+    twin = native.LlamaPythonDecoder(model, got, product)
+    t = 0
+    for T, last_only in CHUNKS:
+        want = model.decode(ids[:, t : t + T], ref, last_only=last_only)
+        logits = twin.chunk(ids[:, t : t + T], got.length, last_only)
+        got.advance(T)
+        assert logits.shape == (1, 1 if last_only else T, 53)
+        yield T, logits.select(1, -1) if last_only else logits, want, got, ref
+        t += T
 
 
 @pytest.mark.parametrize("parts", [2, 4])
@@ -305,23 +313,14 @@ def test_the_lean_chunk_gives_the_model_s_logits_and_cache_up_to_rounding(name, 
     lean = []
     monkeypatch.setattr(native.LlamaPythonDecoder, "_lean_chunk",
                         lambda self, *a, f=native.LlamaPythonDecoder._lean_chunk: lean.append(a[0].shape[1]) or f(self, *a))
-    ids = torch.randint(0, 53, (1, 64), generator=torch.Generator().manual_seed(3))
+    assert any(type(product(m)) is native._InPlaceBlocks for m in linears)
     with torch.inference_mode():
-        ref, got = StaticKVCache.for_model(model, 1, 64), StaticKVCache.for_model(model, 1, 64)
-        twin = native.LlamaPythonDecoder(model, got, product)
-        assert any(type(product(m)) is native._InPlaceBlocks for m in linears)
-        t = 0
-        for T, last_only in CHUNKS:
-            want = model.decode(ids[:, t : t + T], ref, last_only=last_only)
-            logits = twin.chunk(ids[:, t : t + T], got.length, last_only)
-            got.advance(T)
-            assert logits.shape == (1, 1 if last_only else T, 53)
-            torch.testing.assert_close(logits.select(1, -1) if last_only else logits, want, atol=3e-5, rtol=1e-5)
+        for T, logits, want, got, ref in _chunks_beside_the_model(model, product):
+            torch.testing.assert_close(logits, want, atol=3e-5, rtol=1e-5)
             torch.testing.assert_close(got.k, ref.k, atol=3e-5, rtol=1e-5)
             torch.testing.assert_close(got.v, ref.v, atol=3e-5, rtol=1e-5)
             ref.k.copy_(got.k)  # the next chunk reads the same keys and values in both
             ref.v.copy_(got.v)
-            t += T
     assert lean == [T for T, _ in CHUNKS if T > cpu.BAG_MAX_ROWS]
 
 
