@@ -193,11 +193,16 @@ def _blocks_bmm(x: Tensor, w: Tensor, bias: Tensor | None, out_features: int) ->
     """x (..., in) times the row blocks w (P, in, part) (bias (P, 1, part)) -> (..., out_features)."""
     P, inp, part = w.shape
     lead = x.shape[:-1]
-    n = math.prod(lead)
-    x2 = x.reshape(1, n, inp).expand(P, n, inp)
-    y = torch.bmm(x2, w) if bias is None else torch.baddbmm(bias, x2, w)  # (P, n, part)
+    y = _outputs_by_block(x.reshape(math.prod(lead), inp), w, bias)  # (P, n, part)
     y = y.transpose(0, 1).reshape(*lead, P * part)  # (n, P, part): block p holds outputs p*part ..
     return y if P * part == out_features else y.narrow(-1, 0, out_features)
+
+
+def _outputs_by_block(x: Tensor, w: Tensor, bias: Tensor | None) -> Tensor:
+    """x (n, in) times the row blocks w (P, in, part) (bias (P, 1, part)), one batched product, the
+    outputs left block by block: (P, n, part)."""
+    xs = x.expand(w.shape[0], *x.shape)
+    return torch.bmm(xs, w) if bias is None else torch.baddbmm(bias, xs, w)
 
 
 def row_split_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, parts: int = 2) -> Tensor:

@@ -44,12 +44,13 @@ How it is used.
 * A chunk of 2 to ``CHUNK_MAX_TOKENS`` (32) tokens of a model the twin reproduces, GPT-2's
   included, runs :meth:`LlamaPythonDecoder.chunk`, :meth:`gptlab.GPT.decode`'s calls for several
   tokens without the modules (to the last bit again): speculative decoding's verification of the
-  draft's guesses (one call, every position's logits), a short prompt's prefill. Where the C++ step is built, the chunk multiplies by its own product
-  (``matvec`` on several vectors) wherever a one-time timing at ``CHUNK_TIMING_ROWS`` rows finds it
-  faster than the model's product (:func:`time_chunk_products`; :func:`last_chunk_products` says how
-  many layers), and elsewhere over the weight's row blocks in place (:func:`gptlab.fast.cpu.split_product`)
-  where that is faster: the logits then equal the model's up to float rounding, and such a chunk of
-  more than ``BAG_MAX_ROWS`` tokens runs the same arithmetic in fewer calls
+  draft's guesses (one call, every position's logits), a short prompt's prefill. Where the C++
+  step is built, the chunk multiplies by its own product (``matvec`` on several vectors) wherever a
+  one-time timing at ``CHUNK_TIMING_ROWS`` rows finds it faster than the model's product
+  (:func:`time_chunk_products`; :func:`last_chunk_products` says how many layers), and elsewhere
+  over the weight's row blocks in place (:func:`gptlab.fast.cpu.split_product`) where that is
+  faster: the logits then equal the model's up to float rounding, and such a chunk of more than
+  ``BAG_MAX_ROWS`` tokens runs the same arithmetic in fewer calls
   (:meth:`LlamaPythonDecoder._lean_chunk`).
 * Anything else (a longer prefill, a batch, a padded prompt, a sliding window, post-norm blocks,
   the written-out attention, a forward hook) runs the model's own step, :meth:`gptlab.GPT.decode`.
@@ -918,8 +919,7 @@ def _by_blocks(product: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
     """A chunk product of x (T, in), block by block: (P, T, part) by one batched product over the
     weight's row blocks in place (:class:`_InPlaceBlocks`), else the product's own (1, T, out)."""
     if type(product) is _InPlaceBlocks:
-        xs = x.expand(product.blocks.shape[0], *x.shape)
-        return torch.bmm(xs, product.blocks) if product.bias is None else torch.baddbmm(product.bias, xs, product.blocks)
+        return cpu._outputs_by_block(x, product.blocks, product.bias)
     return product(x)[None]
 
 
